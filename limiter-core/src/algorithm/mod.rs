@@ -1,0 +1,104 @@
+//! The four algorithms. Each is a small immutable description (`TokenBucket`, ...)
+//! plus a per-key state; every query takes the state by reference and `now` as an
+//! argument, so a check never mutates, and only `charge` and `refund` do.
+//!
+//! One property holds for all four and the hierarchy relies on it: a cost `c` (with
+//! `c <= capacity`) is admissible now exactly when `c <= remaining(now)`.
+
+mod fixed_window;
+mod sliding_counter;
+mod sliding_log;
+mod token_bucket;
+
+pub use fixed_window::{FixedWindow, FixedWindowState};
+pub use sliding_counter::{SlidingCounter, SlidingCounterState};
+pub use sliding_log::{SlidingLog, SlidingLogState};
+pub use token_bucket::{TokenBucket, TokenBucketState};
+
+use crate::clock::Nanos;
+
+/// An admission verdict for one limit, before anything is charged.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Check {
+    /// The cost fits: `remaining` units would be left after charging it.
+    Admit {
+        /// Units left after the cost is charged.
+        remaining: u64,
+    },
+    /// The cost does not fit yet; it would at `now + retry_after` with no other traffic.
+    Deny {
+        /// Exact wait in nanoseconds.
+        retry_after: Nanos,
+    },
+}
+
+/// The operations every algorithm provides over its per-key state.
+pub trait Algorithm {
+    /// Per-key state; `Default` is a key never seen (full allowance).
+    type State: Default + Clone + PartialEq + std::fmt::Debug;
+
+    /// The largest cost one request can ever be admitted with (burst or limit).
+    fn capacity(&self) -> u64;
+
+    /// Units that could be admitted now.
+    fn remaining(&self, state: &Self::State, now: Nanos) -> u64;
+
+    /// Nanoseconds until `cost` would be admitted, assuming no other traffic; zero when
+    /// it fits now. `cost` must not exceed [`Self::capacity`].
+    fn retry_after(&self, state: &Self::State, now: Nanos, cost: u64) -> Nanos;
+
+    /// Nanoseconds until the state is back to a full allowance.
+    fn reset_after(&self, state: &Self::State, now: Nanos) -> Nanos;
+
+    /// Charges `cost` without checking: a charge can take the state past its limit
+    /// (a debt that later requests wait out), which is how reported usage above an
+    /// estimate is recorded rather than lost.
+    fn charge(&self, state: &mut Self::State, now: Nanos, cost: u64);
+
+    /// Gives back `units` charged at `granted_at`, restoring the level exactly as far
+    /// as they still count (units of a window that has passed are gone).
+    fn refund(&self, state: &mut Self::State, now: Nanos, granted_at: Nanos, units: u64);
+
+    /// True when the state is indistinguishable from a fresh one: dropping it loses
+    /// nothing.
+    fn is_idle(&self, state: &Self::State, now: Nanos) -> bool;
+
+    /// Whether `cost` fits now, and what would be left.
+    fn check(&self, state: &Self::State, now: Nanos, cost: u64) -> Check {
+        let remaining = self.remaining(state, now);
+        if cost <= remaining {
+            Check::Admit { remaining: remaining - cost }
+        } else {
+            Check::Deny { retry_after: self.retry_after(state, now, cost.min(self.capacity())) }
+        }
+    }
+
+    /// Admits and charges `cost` if it fits; otherwise changes nothing.
+    fn try_acquire(&self, state: &mut Self::State, now: Nanos, cost: u64) -> Check {
+        let verdict = self.check(state, now, cost);
+        if let Check::Admit { .. } = verdict {
+            self.charge(state, now, cost);
+        }
+        verdict
+    }
+
+    /// Grants up to `max` units at once (what leases are made of) and returns how many.
+    fn grant(&self, state: &mut Self::State, now: Nanos, max: u64) -> u64 {
+        let n = max.min(self.remaining(state, now));
+        if n > 0 {
+            self.charge(state, now, n);
+        }
+        n
+    }
+}
+
+/// Ceiling of `a / b` for `b > 0`.
+pub(crate) fn div_ceil_u128(a: u128, b: u128) -> u128 {
+    a.div_ceil(b)
+}
+
+/// Narrows to `u64`, saturating (every caller's true value fits; this only guards
+/// against arithmetic on states in debt far beyond any real use).
+pub(crate) fn sat_u64(v: u128) -> u64 {
+    u64::try_from(v).unwrap_or(u64::MAX)
+}

@@ -1,0 +1,146 @@
+//! Token bucket: refills `rate` per period up to `burst`; a cost `c` needs `c` tokens.
+//!
+//! Kept as a theoretical arrival time (GCRA) on a scaled time line where one
+//! nanosecond is `amount` units and one token is `period` units, so refill is exact
+//! for any rate (`3/s` does not round to 333,333,333 ns a token) and never drifts.
+
+use std::num::NonZeroU64;
+
+use super::{Algorithm, div_ceil_u128, sat_u64};
+use crate::clock::Nanos;
+use crate::rate::Rate;
+
+/// A token bucket's parameters.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct TokenBucket {
+    rate: Rate,
+    burst: NonZeroU64,
+}
+
+/// A token bucket's per-key state: 16 bytes.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct TokenBucketState {
+    /// Scaled time at which the bucket is full again; at or before now means full.
+    tat: u128,
+}
+
+impl TokenBucket {
+    /// A bucket refilling at `rate` and holding at most `burst` tokens.
+    pub fn new(rate: Rate, burst: NonZeroU64) -> Self {
+        Self { rate, burst }
+    }
+
+    /// The refill rate.
+    pub fn rate(&self) -> Rate {
+        self.rate
+    }
+
+    /// The bucket's size.
+    pub fn burst(&self) -> NonZeroU64 {
+        self.burst
+    }
+
+    fn amount(&self) -> u128 {
+        self.rate.amount().get().into()
+    }
+    fn period(&self) -> u128 {
+        self.rate.period().get().into()
+    }
+    fn scaled(&self, now: Nanos) -> u128 {
+        u128::from(now) * self.amount()
+    }
+    fn capacity_scaled(&self) -> u128 {
+        u128::from(self.burst.get()) * self.period()
+    }
+    /// Scaled time the bucket's current contents are "spent" ahead of now.
+    fn used(&self, state: &TokenBucketState, now: Nanos) -> u128 {
+        state.tat.saturating_sub(self.scaled(now))
+    }
+}
+
+impl Algorithm for TokenBucket {
+    type State = TokenBucketState;
+
+    fn capacity(&self) -> u64 {
+        self.burst.get()
+    }
+
+    fn remaining(&self, state: &Self::State, now: Nanos) -> u64 {
+        sat_u64(self.capacity_scaled().saturating_sub(self.used(state, now)) / self.period())
+    }
+
+    fn retry_after(&self, state: &Self::State, now: Nanos, cost: u64) -> Nanos {
+        let need = self.used(state, now) + u128::from(cost) * self.period();
+        match need.checked_sub(self.capacity_scaled()) {
+            None | Some(0) => 0,
+            // The earliest t with (t - now) * amount >= excess.
+            Some(excess) => sat_u64(div_ceil_u128(excess, self.amount())),
+        }
+    }
+
+    fn reset_after(&self, state: &Self::State, now: Nanos) -> Nanos {
+        sat_u64(div_ceil_u128(self.used(state, now), self.amount()))
+    }
+
+    fn charge(&self, state: &mut Self::State, now: Nanos, cost: u64) {
+        let base = state.tat.max(self.scaled(now));
+        state.tat = base.saturating_add(u128::from(cost) * self.period());
+    }
+
+    fn refund(&self, state: &mut Self::State, now: Nanos, _granted_at: Nanos, units: u64) {
+        // Tokens are fungible: give them back, but never beyond a full bucket.
+        let back = u128::from(units) * self.period();
+        state.tat = state.tat.saturating_sub(back).max(self.scaled(now).min(state.tat));
+    }
+
+    fn is_idle(&self, state: &Self::State, now: Nanos) -> bool {
+        state.tat <= self.scaled(now)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::algorithm::Check;
+
+    fn tb(rate: &str, burst: u64) -> TokenBucket {
+        TokenBucket::new(rate.parse().unwrap(), NonZeroU64::new(burst).unwrap())
+    }
+
+    #[test]
+    fn starts_full_refills_exactly_and_caps_at_burst() {
+        let b = tb("3/s", 3);
+        let mut s = TokenBucketState::default();
+        assert_eq!(b.remaining(&s, 0), 3);
+        assert_eq!(b.try_acquire(&mut s, 0, 3), Check::Admit { remaining: 0 });
+        // One token every 333,333,333.33 ns: due at 333,333,334 ns, not before.
+        assert_eq!(b.retry_after(&s, 0, 1), 333_333_334);
+        assert_eq!(b.remaining(&s, 333_333_333), 0);
+        assert_eq!(b.remaining(&s, 333_333_334), 1);
+        assert_eq!(b.remaining(&s, 10_000_000_000), 3);
+        assert!(b.is_idle(&s, 1_000_000_000));
+        assert_eq!(b.reset_after(&s, 0), 1_000_000_000);
+    }
+
+    #[test]
+    fn refund_restores_exactly_and_never_overfills() {
+        let b = tb("10/s", 10);
+        let mut s = TokenBucketState::default();
+        b.charge(&mut s, 0, 7);
+        let before = s;
+        b.charge(&mut s, 0, 2);
+        b.refund(&mut s, 0, 0, 2);
+        assert_eq!(s, before);
+        b.refund(&mut s, 0, 0, 100);
+        assert_eq!(b.remaining(&s, 0), 10);
+    }
+
+    #[test]
+    fn a_charge_past_the_limit_is_a_debt_to_wait_out() {
+        let b = tb("1/s", 5);
+        let mut s = TokenBucketState::default();
+        b.charge(&mut s, 0, 8);
+        assert_eq!(b.remaining(&s, 0), 0);
+        assert_eq!(b.retry_after(&s, 0, 1), 4_000_000_000);
+    }
+}

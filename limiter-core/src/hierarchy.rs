@@ -1,0 +1,230 @@
+//! Hierarchical evaluation: a request is checked against every level of its chain
+//! and charged all-or-nothing.
+//!
+//! Every level must admit; if any rejects, no level is charged. The reported scope is
+//! the outermost failing level and `retry_after` the longest wait over the failing
+//! levels. The shards of all levels are locked together (in a fixed order) so the
+//! check and the charge are one atomic step.
+
+use crate::algorithm::{Algorithm, Check};
+use crate::clock::Nanos;
+use crate::decision::{Binding, Decision, Reason, Scope};
+use crate::limit::LimitState;
+use crate::policy::Chain;
+use crate::table::{Locked, StateTable};
+
+/// A decision and whether shadow mode turns a rejection into an admission.
+#[must_use]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Verdict {
+    /// What the limits say.
+    pub decision: Decision,
+    /// Shadow mode: the caller admits the request whatever the decision says.
+    pub shadow: bool,
+}
+
+impl Verdict {
+    /// Whether the request goes through (allowed, or rejected in shadow mode).
+    pub fn admitted(&self) -> bool {
+        self.shadow || self.decision.is_allowed()
+    }
+}
+
+/// What a batch grant took from every level of a chain.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Grant {
+    /// Units granted (0 when some level has none left).
+    pub units: u64,
+    /// When they were charged (needed to return them).
+    pub granted_at: Nanos,
+    /// The level that limited the grant, if any did.
+    pub binding: Option<Scope>,
+}
+
+/// Evaluates chains against a table of states.
+///
+/// # Examples
+///
+/// ```
+/// use limiter_core::{Limiter, policy::{from_yaml, Request, NameBounds}};
+/// let policy = from_yaml(
+///     "version: 1\ntenants:\n  acme:\n    limit: { algorithm: fixed_window, limit: 2, window: 1s }\n",
+///     "p.yaml",
+/// ).unwrap();
+/// let limiter = Limiter::new(10_000);
+/// let chain = policy.resolve(&Request::new("acme", "/search"), &NameBounds::default()).unwrap();
+/// assert!(limiter.decide(&chain, 0).admitted());
+/// assert!(limiter.decide(&chain, 0).admitted());
+/// assert!(!limiter.decide(&chain, 0).admitted());
+/// ```
+#[derive(Debug)]
+pub struct Limiter {
+    table: StateTable,
+}
+
+impl Limiter {
+    /// A limiter holding at most about `max_keys` counters.
+    pub fn new(max_keys: usize) -> Self {
+        Self { table: StateTable::with_capacity(max_keys) }
+    }
+
+    /// A limiter over a given table.
+    pub fn with_table(table: StateTable) -> Self {
+        Self { table }
+    }
+
+    /// The table of states.
+    pub fn table(&self) -> &StateTable {
+        &self.table
+    }
+
+    fn lock<'t, 'k>(&'t self, chain: &Chain<'k>) -> Locked<'t, 'k> {
+        let (keys, len) = chain.keys();
+        self.table.lock(&keys[..len])
+    }
+
+    /// Checks a request against every level and charges all of them, or none.
+    pub fn decide(&self, chain: &Chain<'_>, now: Nanos) -> Verdict {
+        let decision = if chain.unknown_tenant {
+            Decision::Rejected {
+                reason: Reason::UnknownTenant,
+                scope: Scope::Tenant,
+                limit: None,
+                retry_after: 0,
+            }
+        } else {
+            self.decide_levels(chain, now)
+        };
+        Verdict { decision, shadow: chain.shadow }
+    }
+
+    fn decide_levels(&self, chain: &Chain<'_>, now: Nanos) -> Decision {
+        let mut locked = self.lock(chain);
+        let fresh = LimitState::Fresh;
+        let cost = chain.cost;
+        // (index, remaining after) of the tightest admitting level.
+        let mut tightest: Option<(usize, u64)> = None;
+        let mut failed: Option<(usize, Nanos)> = None;
+        for (i, level) in chain.levels().enumerate() {
+            let limit = &level.rule.limit;
+            let state = locked.get(i, limit).unwrap_or(&fresh);
+            match limit.check(state, now, cost) {
+                Check::Admit { remaining } => {
+                    if tightest.is_none_or(|(_, r)| remaining < r) {
+                        tightest = Some((i, remaining));
+                    }
+                }
+                Check::Deny { retry_after } => {
+                    // Outermost failing level names the scope; the longest wait wins.
+                    failed = Some(match failed {
+                        None => (i, retry_after),
+                        Some((first, wait)) => (first, wait.max(retry_after)),
+                    });
+                }
+            }
+        }
+        if let Some((first, retry_after)) = failed {
+            let level = chain.levels().nth(first).expect("failing level exists");
+            return Decision::Rejected {
+                reason: level.scope.reason(),
+                scope: level.scope,
+                limit: Some(level.rule.limit),
+                retry_after,
+            };
+        }
+        if !chain.dry_run && cost > 0 {
+            for (i, level) in chain.levels().enumerate() {
+                let limit = &level.rule.limit;
+                let slot = locked.slot_mut(i, limit, now);
+                limit.charge(&mut slot.state, now, cost);
+            }
+        }
+        match tightest {
+            None => Decision::Allowed { remaining: u64::MAX, reset_after: 0, binding: None },
+            Some((i, remaining)) => {
+                let level = chain.levels().nth(i).expect("tightest level exists");
+                let limit = &level.rule.limit;
+                let reset_after = limit.reset_after(locked.get(i, limit).unwrap_or(&fresh), now);
+                Decision::Allowed {
+                    remaining,
+                    reset_after,
+                    binding: Some(Binding { scope: level.scope, limit: *limit }),
+                }
+            }
+        }
+    }
+
+    /// Grants up to `max` units from every level at once: the most that every level
+    /// can give, debited from all of them (the primitive leases are made of).
+    pub fn grant(&self, chain: &Chain<'_>, now: Nanos, max: u64) -> Grant {
+        let mut locked = self.lock(chain);
+        let fresh = LimitState::Fresh;
+        let mut units = max;
+        let mut binding = None;
+        for (i, level) in chain.levels().enumerate() {
+            let limit = &level.rule.limit;
+            let r = limit.remaining(locked.get(i, limit).unwrap_or(&fresh), now);
+            if r < units {
+                units = r;
+                binding = Some(level.scope);
+            }
+        }
+        if units > 0 && !chain.unknown_tenant {
+            for (i, level) in chain.levels().enumerate() {
+                let limit = &level.rule.limit;
+                let slot = locked.slot_mut(i, limit, now);
+                limit.charge(&mut slot.state, now, units);
+            }
+        } else {
+            units = 0;
+        }
+        Grant { units, granted_at: now, binding }
+    }
+
+    /// Charges `units` to every level without checking: usage reported after the
+    /// fact (beyond an estimate) is recorded even past the limit, as a debt.
+    pub fn charge(&self, chain: &Chain<'_>, now: Nanos, units: u64) {
+        if units == 0 || chain.unknown_tenant {
+            return;
+        }
+        let mut locked = self.lock(chain);
+        for (i, level) in chain.levels().enumerate() {
+            let limit = &level.rule.limit;
+            let slot = locked.slot_mut(i, limit, now);
+            limit.charge(&mut slot.state, now, units);
+        }
+    }
+
+    /// Returns `units` charged at `granted_at` to every level (an estimate that was
+    /// too high, or tokens a lease did not use).
+    pub fn refund(&self, chain: &Chain<'_>, now: Nanos, granted_at: Nanos, units: u64) {
+        if units == 0 || chain.unknown_tenant {
+            return;
+        }
+        let mut locked = self.lock(chain);
+        for (i, level) in chain.levels().enumerate() {
+            let limit = &level.rule.limit;
+            if locked.get(i, limit).is_some() {
+                let slot = locked.slot_mut(i, limit, now);
+                limit.refund(&mut slot.state, now, granted_at, units);
+            }
+        }
+    }
+
+    /// Settles a request admitted on an estimate once its actual cost is known: the
+    /// difference is charged (even past the limit) or refunded on every level.
+    pub fn reconcile(
+        &self,
+        chain: &Chain<'_>,
+        now: Nanos,
+        admitted_at: Nanos,
+        estimated: u64,
+        actual: u64,
+    ) {
+        if actual > estimated {
+            self.charge(chain, now, actual - estimated);
+        } else {
+            self.refund(chain, now, admitted_at, estimated - actual);
+        }
+    }
+}

@@ -1,0 +1,26 @@
+//! limiter-core: the rate-limit algorithms, the policy model and its validation,
+//! hierarchy evaluation, and decisions with stable reasons.
+//!
+//! No I/O, no async runtime, no wall clock: time is an argument (integer
+//! nanoseconds from a [`clock::Clock`]), so every behaviour is reproducible in tests.
+//!
+//! The path of one request: [`policy::Policy::resolve`] turns `(tenant, route, key,
+//! cost)` into a [`policy::Chain`] of limits (global, route, tenant, tenant x route,
+//! key); [`Limiter::decide`] checks every level and charges all or none; the result is
+//! a [`Decision`] with a stable [`Reason`].
+
+pub mod algorithm;
+pub mod clock;
+pub mod decision;
+pub mod error;
+pub mod hierarchy;
+pub mod key;
+pub mod limit;
+pub mod policy;
+pub mod rate;
+pub mod table;
+
+pub use decision::{Binding, Decision, Reason, Scope};
+pub use error::RequestError;
+pub use hierarchy::{Grant, Limiter, Verdict};
+pub use limit::{AlgorithmKind, Limit, LimitState};

@@ -1,0 +1,251 @@
+//! A limit of any of the four algorithms, and its per-key state.
+//!
+//! `Limit` implements [`Algorithm`] by dispatching to the algorithm it holds. A state
+//! of another algorithm (left by a policy reload that changed the limit) reads as a
+//! fresh state and is replaced on the next charge.
+
+use std::fmt;
+
+use crate::algorithm::{
+    Algorithm, FixedWindow, FixedWindowState, SlidingCounter, SlidingCounterState, SlidingLog,
+    SlidingLogState, TokenBucket, TokenBucketState,
+};
+use crate::clock::Nanos;
+use crate::rate::DurationText;
+
+/// One limit: an algorithm with its parameters.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Limit {
+    /// See [`TokenBucket`].
+    TokenBucket(TokenBucket),
+    /// See [`FixedWindow`].
+    FixedWindow(FixedWindow),
+    /// See [`SlidingLog`].
+    SlidingLog(SlidingLog),
+    /// See [`SlidingCounter`].
+    SlidingCounter(SlidingCounter),
+}
+
+/// The algorithm of a limit, as a bounded label (metrics, logs, the policy file).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum AlgorithmKind {
+    /// `token_bucket`
+    TokenBucket,
+    /// `fixed_window`
+    FixedWindow,
+    /// `sliding_log`
+    SlidingLog,
+    /// `sliding_counter`
+    SlidingCounter,
+}
+
+impl AlgorithmKind {
+    /// Every kind, in a stable order.
+    pub const ALL: [Self; 4] =
+        [Self::TokenBucket, Self::FixedWindow, Self::SlidingLog, Self::SlidingCounter];
+
+    /// The name used in policy files and labels.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::TokenBucket => "token_bucket",
+            Self::FixedWindow => "fixed_window",
+            Self::SlidingLog => "sliding_log",
+            Self::SlidingCounter => "sliding_counter",
+        }
+    }
+}
+
+/// Per-key state of a [`Limit`]: at most 48 bytes inline.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub enum LimitState {
+    /// Nothing charged yet.
+    #[default]
+    Fresh,
+    /// Token bucket state.
+    TokenBucket(TokenBucketState),
+    /// Fixed window state.
+    FixedWindow(FixedWindowState),
+    /// Sliding log state.
+    SlidingLog(SlidingLogState),
+    /// Sliding counter state.
+    SlidingCounter(SlidingCounterState),
+}
+
+impl Limit {
+    /// The limit's algorithm.
+    pub fn kind(&self) -> AlgorithmKind {
+        match self {
+            Self::TokenBucket(_) => AlgorithmKind::TokenBucket,
+            Self::FixedWindow(_) => AlgorithmKind::FixedWindow,
+            Self::SlidingLog(_) => AlgorithmKind::SlidingLog,
+            Self::SlidingCounter(_) => AlgorithmKind::SlidingCounter,
+        }
+    }
+
+    /// The quota and its window in nanoseconds, as the `RateLimit-Policy` header
+    /// states them: a bucket's burst over the time it takes to refill it.
+    pub fn quota(&self) -> (u64, Nanos) {
+        match self {
+            Self::TokenBucket(b) => {
+                let refill = u128::from(b.burst().get()) * u128::from(b.rate().period().get())
+                    / u128::from(b.rate().amount().get());
+                (b.burst().get(), u64::try_from(refill).unwrap_or(u64::MAX).max(1))
+            }
+            Self::FixedWindow(w) => (w.limit().get(), w.window().get()),
+            Self::SlidingLog(w) => (w.limit().get(), w.window().get()),
+            Self::SlidingCounter(w) => (w.limit().get(), w.window().get()),
+        }
+    }
+}
+
+impl fmt::Display for Limit {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::TokenBucket(b) => write!(f, "token_bucket {} burst {}", b.rate(), b.burst()),
+            Self::FixedWindow(w) => {
+                write!(f, "fixed_window {} per {}", w.limit(), DurationText(w.window().get()))
+            }
+            Self::SlidingLog(w) => {
+                write!(f, "sliding_log {} per {}", w.limit(), DurationText(w.window().get()))
+            }
+            Self::SlidingCounter(w) => {
+                write!(f, "sliding_counter {} per {}", w.limit(), DurationText(w.window().get()))
+            }
+        }
+    }
+}
+
+/// Applies `$body` with `$alg` bound to the inner algorithm and `$st` to its state
+/// (a fresh default when the state is of another algorithm).
+macro_rules! with_state {
+    ($limit:expr, $state:expr, |$alg:ident, $st:ident| $body:expr) => {
+        match ($limit, $state) {
+            (Limit::TokenBucket($alg), LimitState::TokenBucket($st)) => $body,
+            (Limit::FixedWindow($alg), LimitState::FixedWindow($st)) => $body,
+            (Limit::SlidingLog($alg), LimitState::SlidingLog($st)) => $body,
+            (Limit::SlidingCounter($alg), LimitState::SlidingCounter($st)) => $body,
+            (Limit::TokenBucket($alg), _) => {
+                let $st = &TokenBucketState::default();
+                $body
+            }
+            (Limit::FixedWindow($alg), _) => {
+                let $st = &FixedWindowState::default();
+                $body
+            }
+            (Limit::SlidingLog($alg), _) => {
+                let $st = &SlidingLogState::default();
+                $body
+            }
+            (Limit::SlidingCounter($alg), _) => {
+                let $st = &SlidingCounterState::default();
+                $body
+            }
+        }
+    };
+}
+
+/// Like `with_state!` for mutation: a state of another algorithm is replaced first.
+macro_rules! with_state_mut {
+    ($limit:expr, $state:expr, |$alg:ident, $st:ident| $body:expr) => {{
+        let state: &mut LimitState = $state;
+        match $limit {
+            Limit::TokenBucket($alg) => {
+                if !matches!(state, LimitState::TokenBucket(_)) {
+                    *state = LimitState::TokenBucket(TokenBucketState::default());
+                }
+                let LimitState::TokenBucket($st) = state else { unreachable!() };
+                $body
+            }
+            Limit::FixedWindow($alg) => {
+                if !matches!(state, LimitState::FixedWindow(_)) {
+                    *state = LimitState::FixedWindow(FixedWindowState::default());
+                }
+                let LimitState::FixedWindow($st) = state else { unreachable!() };
+                $body
+            }
+            Limit::SlidingLog($alg) => {
+                if !matches!(state, LimitState::SlidingLog(_)) {
+                    *state = LimitState::SlidingLog(SlidingLogState::default());
+                }
+                let LimitState::SlidingLog($st) = state else { unreachable!() };
+                $body
+            }
+            Limit::SlidingCounter($alg) => {
+                if !matches!(state, LimitState::SlidingCounter(_)) {
+                    *state = LimitState::SlidingCounter(SlidingCounterState::default());
+                }
+                let LimitState::SlidingCounter($st) = state else { unreachable!() };
+                $body
+            }
+        }
+    }};
+}
+
+impl Algorithm for Limit {
+    type State = LimitState;
+
+    fn capacity(&self) -> u64 {
+        match self {
+            Self::TokenBucket(a) => a.capacity(),
+            Self::FixedWindow(a) => a.capacity(),
+            Self::SlidingLog(a) => a.capacity(),
+            Self::SlidingCounter(a) => a.capacity(),
+        }
+    }
+
+    fn remaining(&self, state: &LimitState, now: Nanos) -> u64 {
+        with_state!(self, state, |a, s| a.remaining(s, now))
+    }
+
+    fn retry_after(&self, state: &LimitState, now: Nanos, cost: u64) -> Nanos {
+        with_state!(self, state, |a, s| a.retry_after(s, now, cost))
+    }
+
+    fn reset_after(&self, state: &LimitState, now: Nanos) -> Nanos {
+        with_state!(self, state, |a, s| a.reset_after(s, now))
+    }
+
+    fn charge(&self, state: &mut LimitState, now: Nanos, cost: u64) {
+        with_state_mut!(self, state, |a, s| a.charge(s, now, cost));
+    }
+
+    fn refund(&self, state: &mut LimitState, now: Nanos, granted_at: Nanos, units: u64) {
+        with_state_mut!(self, state, |a, s| a.refund(s, now, granted_at, units));
+    }
+
+    fn is_idle(&self, state: &LimitState, now: Nanos) -> bool {
+        with_state!(self, state, |a, s| a.is_idle(s, now))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::num::NonZeroU64;
+
+    #[test]
+    fn state_sizes_stay_small() {
+        assert!(size_of::<TokenBucketState>() <= 64);
+        assert!(size_of::<FixedWindowState>() <= 64);
+        assert!(size_of::<SlidingCounterState>() <= 64);
+        assert_eq!(size_of::<TokenBucketState>(), 16);
+        assert_eq!(size_of::<FixedWindowState>(), 16);
+        assert_eq!(size_of::<SlidingCounterState>(), 24);
+        assert!(size_of::<LimitState>() <= 48, "{}", size_of::<LimitState>());
+    }
+
+    #[test]
+    fn a_state_of_another_algorithm_reads_as_fresh_and_is_replaced() {
+        let n = |v| NonZeroU64::new(v).unwrap();
+        let fw = Limit::FixedWindow(FixedWindow::new(n(5), n(100)));
+        let tb = Limit::TokenBucket(TokenBucket::new("5/s".parse().unwrap(), n(5)));
+        let mut s = LimitState::default();
+        tb.charge(&mut s, 0, 5);
+        assert_eq!(tb.remaining(&s, 0), 0);
+        assert_eq!(fw.remaining(&s, 0), 5);
+        fw.charge(&mut s, 0, 1);
+        assert!(matches!(s, LimitState::FixedWindow(_)));
+        assert_eq!(fw.remaining(&s, 0), 4);
+        assert_eq!(Limit::quota(&tb), (5, 1_000_000_000));
+    }
+}

@@ -1,0 +1,701 @@
+//! Stage two of loading a policy: the node tree into a validated [`Policy`],
+//! collecting every mistake (with file, line, column and field) before returning.
+
+use std::collections::HashMap;
+use std::fmt;
+use std::num::NonZeroU64;
+
+use super::tree::{self, Key, Node, Pos, Value};
+use super::{
+    FailurePolicy, LeaseSettings, LimitRule, Map, Policy, RouteSpec, TenantRouteSpec, TenantSpec,
+    UnknownTenants,
+};
+use crate::algorithm::{Algorithm, FixedWindow, SlidingCounter, SlidingLog, TokenBucket};
+use crate::limit::{AlgorithmKind, Limit};
+use crate::rate::{self, MAX_AMOUNT, Rate, RateError};
+
+/// The policy schema version this build reads.
+pub const SCHEMA_VERSION: i128 = 1;
+
+/// The largest `limit` of a sliding log: its state holds up to one entry per unit,
+/// so this bounds its memory per key (16 bytes an entry, 1.6 MB at most).
+pub const SLIDING_LOG_MAX_LIMIT: u64 = 100_000;
+
+/// The name of the tenant whose limits apply to unlisted tenants.
+pub const DEFAULT_TENANT: &str = "default";
+
+/// One mistake in a policy file.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PolicyError {
+    /// The file's name as given to the loader.
+    pub file: String,
+    /// Where the mistake is.
+    pub pos: Pos,
+    /// The dotted path of the field at fault (`tenants.acme.limit.rate`).
+    pub field: String,
+    /// What is wrong.
+    pub message: String,
+}
+
+impl fmt::Display for PolicyError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}:{}: ", self.file, self.pos)?;
+        if !self.field.is_empty() {
+            write!(f, "{}: ", self.field)?;
+        }
+        f.write_str(&self.message)
+    }
+}
+
+/// Every mistake found in a policy file, in the order of the file.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PolicyErrors(pub Vec<PolicyError>);
+
+impl fmt::Display for PolicyErrors {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let n = self.0.len();
+        write!(f, "{n} mistake{} in the policy", if n == 1 { "" } else { "s" })?;
+        for e in &self.0 {
+            write!(f, "\n  {e}")?;
+        }
+        Ok(())
+    }
+}
+
+impl std::error::Error for PolicyErrors {}
+
+/// Parses and validates a policy. `file` names the source in every message.
+///
+/// # Errors
+///
+/// Every mistake found, each with its line, column and field.
+///
+/// # Examples
+///
+/// ```
+/// let p = limiter_core::policy::from_yaml(
+///     "version: 1\ntenants:\n  acme:\n    limit: { algorithm: token_bucket, rate: 10/s }\n",
+///     "inline.yaml",
+/// ).unwrap();
+/// assert!(p.tenants.contains_key("acme"));
+/// let e = limiter_core::policy::from_yaml("version: 1\ntenants: { acme: { limt: 1 } }\n", "p.yaml")
+///     .unwrap_err();
+/// assert!(e.to_string().contains("p.yaml:2:"));
+/// ```
+pub fn from_yaml(text: &str, file: &str) -> Result<Policy, PolicyErrors> {
+    let root = tree::parse(text).map_err(|e| {
+        PolicyErrors(vec![PolicyError {
+            file: file.to_owned(),
+            pos: e.pos,
+            field: String::new(),
+            message: format!("invalid YAML: {}", e.message),
+        }])
+    })?;
+    let mut cx = Cx { file, errors: Vec::new() };
+    let policy = cx.policy(&root);
+    cx.errors.sort_by_key(|e| (e.pos.line, e.pos.column));
+    match policy {
+        Some(p) if cx.errors.is_empty() => Ok(p),
+        _ => Err(PolicyErrors(cx.errors)),
+    }
+}
+
+struct Cx<'f> {
+    file: &'f str,
+    errors: Vec<PolicyError>,
+}
+
+/// The fields of one mapping, checked against the names allowed there.
+struct Fields<'n> {
+    entries: Vec<(&'n Key, &'n Node)>,
+    pos: Pos,
+}
+
+impl<'n> Fields<'n> {
+    fn get(&self, name: &str) -> Option<&'n Node> {
+        self.entries.iter().find(|(k, _)| k.text == name).map(|(_, v)| *v)
+    }
+}
+
+fn join(path: &str, field: &str) -> String {
+    if path.is_empty() { field.to_owned() } else { format!("{path}.{field}") }
+}
+
+impl Cx<'_> {
+    fn err(&mut self, pos: Pos, field: &str, message: impl Into<String>) {
+        self.errors.push(PolicyError {
+            file: self.file.to_owned(),
+            pos,
+            field: field.to_owned(),
+            message: message.into(),
+        });
+    }
+
+    /// The entries of a mapping (absent: `None` without error for `Null`), with
+    /// duplicate keys reported.
+    fn entries<'n>(&mut self, node: &'n Node, path: &str) -> Option<Vec<(&'n Key, &'n Node)>> {
+        let entries = match &node.value {
+            Value::Map(m) => m,
+            Value::Null => return Some(Vec::new()),
+            other => {
+                self.err(node.pos, path, format!("expected a mapping, found {}", other.kind()));
+                return None;
+            }
+        };
+        let mut seen: HashMap<&str, Pos> = HashMap::new();
+        let mut out = Vec::with_capacity(entries.len());
+        for (k, v) in entries {
+            if let Some(first) = seen.get(k.text.as_str()) {
+                self.err(
+                    k.pos,
+                    &join(path, &k.text),
+                    format!("duplicate name `{}` (first defined at line {})", k.text, first.line),
+                );
+                continue;
+            }
+            seen.insert(&k.text, k.pos);
+            out.push((k, v));
+        }
+        Some(out)
+    }
+
+    /// A mapping whose keys must be among `allowed`.
+    fn fields<'n>(&mut self, node: &'n Node, path: &str, allowed: &[&str]) -> Option<Fields<'n>> {
+        let entries = self.entries(node, path)?;
+        for (k, _) in &entries {
+            if !allowed.contains(&k.text.as_str()) {
+                self.err(
+                    k.pos,
+                    &join(path, &k.text),
+                    format!("unknown field `{}`; expected one of: {}", k.text, allowed.join(", ")),
+                );
+            }
+        }
+        Some(Fields { entries, pos: node.pos })
+    }
+
+    fn require<'n>(&mut self, f: &Fields<'n>, path: &str, name: &str) -> Option<&'n Node> {
+        let node = f.get(name);
+        if node.is_none() {
+            self.err(f.pos, &join(path, name), format!("missing required field `{name}`"));
+        }
+        node
+    }
+
+    fn string<'n>(&mut self, node: &'n Node, path: &str) -> Option<&'n str> {
+        match &node.value {
+            Value::Str(s) => Some(s),
+            other => {
+                self.err(node.pos, path, format!("expected a string, found {}", other.kind()));
+                None
+            }
+        }
+    }
+
+    fn boolean(&mut self, node: &Node, path: &str) -> Option<bool> {
+        match node.value {
+            Value::Bool(b) => Some(b),
+            ref other => {
+                self.err(node.pos, path, format!("expected true or false, found {}", other.kind()));
+                None
+            }
+        }
+    }
+
+    /// A positive integer no larger than `max`.
+    fn positive(&mut self, node: &Node, path: &str, max: u64) -> Option<NonZeroU64> {
+        match node.value {
+            Value::Int(i) if i <= 0 => {
+                self.err(node.pos, path, format!("must be greater than zero, found {i}"));
+                None
+            }
+            Value::Int(i) if i > i128::from(max) => {
+                self.err(node.pos, path, format!("must be at most {max}, found {i}"));
+                None
+            }
+            Value::Int(i) => NonZeroU64::new(u64::try_from(i).ok()?),
+            ref other => {
+                self.err(
+                    node.pos,
+                    path,
+                    format!("expected a positive integer, found {}", other.kind()),
+                );
+                None
+            }
+        }
+    }
+
+    fn rate(&mut self, node: &Node, path: &str) -> Option<Rate> {
+        let text = match &node.value {
+            Value::Str(s) => s.as_str(),
+            other => {
+                self.err(
+                    node.pos,
+                    path,
+                    format!("expected a rate like `100/s`, found {}", other.kind()),
+                );
+                return None;
+            }
+        };
+        match text.parse::<Rate>() {
+            Ok(r) => Some(r),
+            Err(e) => {
+                let msg = match e {
+                    RateError::Zero => "must be greater than zero".to_owned(),
+                    e => format!("{e}, found `{text}`"),
+                };
+                self.err(node.pos, path, msg);
+                None
+            }
+        }
+    }
+
+    fn duration(&mut self, node: &Node, path: &str) -> Option<u64> {
+        let text = match &node.value {
+            Value::Str(s) => s.as_str(),
+            Value::Int(i) => {
+                self.err(node.pos, path, format!("a duration needs a unit, like `{i}s`"));
+                return None;
+            }
+            other => {
+                self.err(
+                    node.pos,
+                    path,
+                    format!("expected a duration like `10s`, found {}", other.kind()),
+                );
+                return None;
+            }
+        };
+        match rate::parse_duration(text) {
+            Ok(d) => Some(d),
+            Err(e) => {
+                self.err(node.pos, path, format!("{e}, found `{text}`"));
+                None
+            }
+        }
+    }
+
+    fn policy(&mut self, root: &Node) -> Option<Policy> {
+        const TOP: &[&str] = &[
+            "version",
+            "global",
+            "shadow",
+            "unknown_tenants",
+            "on_limiter_failure",
+            "lease",
+            "routes",
+            "tenants",
+        ];
+        let top = self.fields(root, "", TOP)?;
+        if let Some(v) = self.require(&top, "", "version") {
+            match v.value {
+                Value::Int(SCHEMA_VERSION) => {}
+                ref other => self.err(
+                    v.pos,
+                    "version",
+                    format!(
+                        "unsupported policy version {}; this build reads version {SCHEMA_VERSION}",
+                        match other {
+                            Value::Int(i) => i.to_string(),
+                            o => o.kind().to_owned(),
+                        }
+                    ),
+                ),
+            }
+        }
+        let shadow = top.get("shadow").and_then(|n| self.boolean(n, "shadow")).unwrap_or(false);
+        let global = top.get("global").and_then(|n| {
+            let f = self.fields(n, "global", &["ceiling"])?;
+            let c = self.require(&f, "global", "ceiling")?;
+            self.limit_rule(c, "global.ceiling", "global", &[]).0
+        });
+        let on_limiter_failure = match top.get("on_limiter_failure") {
+            Some(n) => self.failure_policy(n, "on_limiter_failure"),
+            None => Some(FailurePolicy::FailClosed),
+        };
+        let lease = match top.get("lease") {
+            Some(n) => self.lease(n, "lease", LeaseSettings::default()),
+            None => Some(LeaseSettings::default()),
+        };
+        let on_limiter_failure = on_limiter_failure.unwrap_or(FailurePolicy::FailClosed);
+        let lease = lease.unwrap_or_default();
+
+        let mut routes = Map::default();
+        if let Some(n) = top.get("routes") {
+            for (k, v) in self.entries(n, "routes").unwrap_or_default() {
+                let path = join("routes", &k.text);
+                self.name(k, &path);
+                if let Some(r) = self.route(v, &path, on_limiter_failure, lease) {
+                    routes.insert(k.text.clone().into_boxed_str(), r);
+                }
+            }
+        }
+        let mut tenants = Map::default();
+        let mut default_tenant = None;
+        if let Some(n) = top.get("tenants") {
+            for (k, v) in self.entries(n, "tenants").unwrap_or_default() {
+                let path = join("tenants", &k.text);
+                self.name(k, &path);
+                if let Some(t) = self.tenant(v, &path) {
+                    if k.text == DEFAULT_TENANT {
+                        default_tenant = Some(t);
+                    } else {
+                        tenants.insert(k.text.clone().into_boxed_str(), t);
+                    }
+                }
+            }
+        }
+        let unknown_tenants = match top.get("unknown_tenants") {
+            None if default_tenant.is_some() => UnknownTenants::UseDefault,
+            None => UnknownTenants::Reject,
+            Some(n) => match self.string(n, "unknown_tenants") {
+                Some("reject") => UnknownTenants::Reject,
+                Some("use_default") => {
+                    if default_tenant.is_none() && top.get("tenants").is_some() {
+                        self.err(
+                            n.pos,
+                            "unknown_tenants",
+                            "`use_default` needs a tenant named `default`",
+                        );
+                    }
+                    UnknownTenants::UseDefault
+                }
+                Some(other) => {
+                    self.err(
+                        n.pos,
+                        "unknown_tenants",
+                        format!("expected `use_default` or `reject`, found `{other}`"),
+                    );
+                    UnknownTenants::Reject
+                }
+                None => UnknownTenants::Reject,
+            },
+        };
+        let unlisted_route = RouteSpec {
+            cost: NonZeroU64::MIN,
+            limit: None,
+            shadow: false,
+            on_limiter_failure,
+            lease,
+        };
+        let policy = Policy {
+            global,
+            shadow,
+            on_limiter_failure,
+            lease,
+            routes,
+            tenants,
+            default_tenant,
+            unknown_tenants,
+            unlisted_route,
+        };
+        self.check_costs(&policy, root);
+        Some(policy)
+    }
+
+    fn name(&mut self, key: &Key, path: &str) {
+        if key.text.is_empty() {
+            self.err(key.pos, path, "a name must not be empty");
+        } else if key.text.len() > 256 {
+            self.err(key.pos, path, "a name must be at most 256 bytes");
+        } else if key.text.chars().any(char::is_control) {
+            self.err(key.pos, path, "a name must not contain control characters");
+        }
+    }
+
+    fn route(
+        &mut self,
+        node: &Node,
+        path: &str,
+        failure: FailurePolicy,
+        lease: LeaseSettings,
+    ) -> Option<RouteSpec> {
+        let f = self.fields(node, path, &["cost", "limit", "shadow", "on_limiter_failure", "lease"])?;
+        let cost = match f.get("cost") {
+            Some(n) => self.positive(n, &join(path, "cost"), MAX_AMOUNT),
+            None => Some(NonZeroU64::MIN),
+        };
+        let limit = f.get("limit").map(|n| self.limit_rule(n, &join(path, "limit"), "route", &[]).0);
+        let shadow = f.get("shadow").map(|n| self.boolean(n, &join(path, "shadow")));
+        let on_limiter_failure = match f.get("on_limiter_failure") {
+            Some(n) => self.failure_policy(n, &join(path, "on_limiter_failure")),
+            None => Some(failure),
+        };
+        let lease = match f.get("lease") {
+            Some(n) => self.lease(n, &join(path, "lease"), lease),
+            None => Some(lease),
+        };
+        Some(RouteSpec {
+            cost: cost?,
+            limit: limit.flatten(),
+            shadow: shadow.unwrap_or(Some(false))?,
+            on_limiter_failure: on_limiter_failure?,
+            lease: lease?,
+        })
+    }
+
+    fn tenant(&mut self, node: &Node, path: &str) -> Option<TenantSpec> {
+        let f = self.fields(node, path, &["limit", "routes", "per_key"])?;
+        let limit = f.get("limit").and_then(|n| self.limit_rule(n, &join(path, "limit"), "tenant", &[]).0);
+        let per_key =
+            f.get("per_key").and_then(|n| self.limit_rule(n, &join(path, "per_key"), "key", &[]).0);
+        let mut routes = Map::default();
+        if let Some(n) = f.get("routes") {
+            let rpath = join(path, "routes");
+            for (k, v) in self.entries(n, &rpath).unwrap_or_default() {
+                let p = join(&rpath, &k.text);
+                self.name(k, &p);
+                let (rule, extra) = self.limit_rule(v, &p, "tenant_route", &["cost"]);
+                // Outer `None`: the cost was given and is wrong (already reported).
+                let cost = match extra.as_ref().and_then(|e| e.get("cost")) {
+                    Some(c) => self.positive(c, &join(&p, "cost"), MAX_AMOUNT).map(Some),
+                    None => Some(None),
+                };
+                if let (Some(rule), Some(cost)) = (rule, cost) {
+                    routes.insert(k.text.clone().into_boxed_str(), TenantRouteSpec { rule, cost });
+                }
+            }
+        }
+        Some(TenantSpec { limit, routes, per_key })
+    }
+
+    /// A limit: `{ algorithm, rate, burst }` or `{ algorithm, limit, window }`, plus an
+    /// optional `name` and the caller's `extra` fields (returned for it to read).
+    fn limit_rule<'n>(
+        &mut self,
+        node: &'n Node,
+        path: &str,
+        default_name: &str,
+        extra: &[&str],
+    ) -> (Option<LimitRule>, Option<Fields<'n>>) {
+        const COMMON: &[&str] = &["algorithm", "name", "rate", "burst", "limit", "window"];
+        let allowed: Vec<&str> = COMMON.iter().chain(extra).copied().collect();
+        let Some(f) = self.fields(node, path, &allowed) else { return (None, None) };
+        let name = match f.get("name") {
+            Some(n) => self.string(n, &join(path, "name")).map(str::to_owned),
+            None => Some(default_name.to_owned()),
+        };
+        let Some(alg_node) = self.require(&f, path, "algorithm") else { return (None, Some(f)) };
+        let apath = join(path, "algorithm");
+        let Some(alg) = self.string(alg_node, &apath) else { return (None, Some(f)) };
+        let kind = AlgorithmKind::ALL.into_iter().find(|k| k.as_str() == alg);
+        let Some(kind) = kind else {
+            let names: Vec<&str> = AlgorithmKind::ALL.iter().map(|k| k.as_str()).collect();
+            self.err(
+                alg_node.pos,
+                &apath,
+                format!("unknown algorithm `{alg}`; expected one of: {}", names.join(", ")),
+            );
+            return (None, Some(f));
+        };
+        let (wanted, unwanted): (&[&str], &[&str]) = match kind {
+            AlgorithmKind::TokenBucket => (&["rate"], &["limit", "window"]),
+            _ => (&["limit", "window"], &["rate", "burst"]),
+        };
+        for name in unwanted {
+            if let Some((k, _)) = f.entries.iter().find(|(k, _)| k.text == *name) {
+                self.err(
+                    k.pos,
+                    &join(path, name),
+                    format!("`{name}` does not apply to {}; it takes {}", kind.as_str(), match kind {
+                        AlgorithmKind::TokenBucket => "`rate` and optionally `burst`",
+                        _ => "`limit` and `window`",
+                    }),
+                );
+            }
+        }
+        let mut present = true;
+        for name in wanted {
+            present &= self.require(&f, path, name).is_some();
+        }
+        if !present {
+            return (None, Some(f));
+        }
+        let limit = match kind {
+            AlgorithmKind::TokenBucket => {
+                let rate = self.rate(f.get("rate").expect("required"), &join(path, "rate"));
+                let burst = match f.get("burst") {
+                    Some(b) => self.positive(b, &join(path, "burst"), MAX_AMOUNT),
+                    // One period's worth: `100/s` holds 100.
+                    None => rate.map(|r| r.amount()),
+                };
+                rate.zip(burst).map(|(r, b)| Limit::TokenBucket(TokenBucket::new(r, b)))
+            }
+            _ => {
+                let max = if kind == AlgorithmKind::SlidingLog { SLIDING_LOG_MAX_LIMIT } else { MAX_AMOUNT };
+                let limit = self.positive(f.get("limit").expect("required"), &join(path, "limit"), max);
+                let window = self
+                    .duration(f.get("window").expect("required"), &join(path, "window"))
+                    .and_then(NonZeroU64::new);
+                limit.zip(window).map(|(l, w)| match kind {
+                    AlgorithmKind::FixedWindow => Limit::FixedWindow(FixedWindow::new(l, w)),
+                    AlgorithmKind::SlidingLog => Limit::SlidingLog(SlidingLog::new(l, w)),
+                    _ => Limit::SlidingCounter(SlidingCounter::new(l, w)),
+                })
+            }
+        };
+        let rule = limit.zip(name).map(|(limit, name)| LimitRule { limit, name: name.into() });
+        (rule, Some(f))
+    }
+
+    fn failure_policy(&mut self, node: &Node, path: &str) -> Option<FailurePolicy> {
+        let f = self.fields(node, path, &["mode", "emergency_ceiling"])?;
+        let mode_node = self.require(&f, path, "mode")?;
+        let mpath = join(path, "mode");
+        let ceiling = f.get("emergency_ceiling");
+        match self.string(mode_node, &mpath)? {
+            "fail_open" => match ceiling {
+                Some(c) => {
+                    let rate = self.rate(c, &join(path, "emergency_ceiling"))?;
+                    Some(FailurePolicy::FailOpen { emergency_ceiling: rate })
+                }
+                None => {
+                    self.err(
+                        f.pos,
+                        &join(path, "emergency_ceiling"),
+                        "`fail_open` needs an `emergency_ceiling` rate (like `200/s`)",
+                    );
+                    None
+                }
+            },
+            "fail_closed" => {
+                if let Some(c) = ceiling {
+                    self.err(
+                        c.pos,
+                        &join(path, "emergency_ceiling"),
+                        "`emergency_ceiling` applies only to `fail_open`",
+                    );
+                }
+                Some(FailurePolicy::FailClosed)
+            }
+            other => {
+                self.err(
+                    mode_node.pos,
+                    &mpath,
+                    format!("expected `fail_open` or `fail_closed`, found `{other}`"),
+                );
+                None
+            }
+        }
+    }
+
+    fn lease(&mut self, node: &Node, path: &str, base: LeaseSettings) -> Option<LeaseSettings> {
+        let f = self.fields(node, path, &["mode", "ttl", "max_batch"])?;
+        let mut out = base;
+        let mut ok = true;
+        if let Some(m) = f.get("mode") {
+            match self.string(m, &join(path, "mode")) {
+                Some("leased") => out.exact = false,
+                Some("exact") => out.exact = true,
+                Some(other) => {
+                    self.err(m.pos, &join(path, "mode"), format!("expected `leased` or `exact`, found `{other}`"));
+                    ok = false;
+                }
+                None => ok = false,
+            }
+        }
+        if let Some(t) = f.get("ttl") {
+            match self.duration(t, &join(path, "ttl")) {
+                Some(d) if d > 60_000_000_000 => {
+                    self.err(t.pos, &join(path, "ttl"), "must be at most 60s: leases lease tokens, not a rate");
+                    ok = false;
+                }
+                Some(d) => out.ttl = d,
+                None => ok = false,
+            }
+        }
+        if let Some(b) = f.get("max_batch") {
+            match self.positive(b, &join(path, "max_batch"), MAX_AMOUNT) {
+                Some(b) => out.max_batch = b,
+                None => ok = false,
+            }
+        }
+        ok.then_some(out)
+    }
+
+    /// A cost above the capacity of a limit it is charged against could never be
+    /// admitted: reported at the cost.
+    fn check_costs(&mut self, p: &Policy, root: &Node) {
+        let global = p.global.as_ref();
+        let mut problems = Vec::new();
+        for (rname, r) in &p.routes {
+            let path = format!("routes.{rname}.cost");
+            for (scope, rule) in [("global ceiling", global), ("route limit", r.limit.as_ref())] {
+                if let Some(rule) = rule {
+                    if r.cost.get() > rule.limit.capacity() {
+                        let scope = scope.to_owned();
+                        problems.push((path.clone(), r.cost.get(), scope, rule.limit.capacity()));
+                    }
+                }
+            }
+        }
+        let tenants = p.tenants.iter().map(|(n, t)| (n.as_ref(), t));
+        for (tname, t) in tenants.chain(p.default_tenant.iter().map(|t| (DEFAULT_TENANT, t))) {
+            // Every route this tenant may be charged on: the policy's and its own.
+            let mut names: Vec<&str> = p.routes.keys().map(AsRef::as_ref).collect();
+            names.extend(t.routes.keys().map(AsRef::as_ref).filter(|n| !p.routes.contains_key(*n)));
+            for rname in names {
+                let route = p.route(rname);
+                let tr = t.routes.get(rname);
+                let cost = tr.and_then(|tr| tr.cost).unwrap_or(route.cost).get();
+                let path = if tr.and_then(|tr| tr.cost).is_some() {
+                    format!("tenants.{tname}.routes.{rname}.cost")
+                } else if p.routes.contains_key(rname) {
+                    format!("routes.{rname}.cost")
+                } else {
+                    format!("tenants.{tname}.routes.{rname}")
+                };
+                // The global and route levels were checked above, once per route.
+                let levels = [
+                    ("tenant limit", t.limit.as_ref()),
+                    ("tenant route limit", tr.map(|tr| &tr.rule)),
+                    ("per-key limit", t.per_key.as_ref()),
+                ];
+                for (scope, rule) in levels {
+                    if let Some(rule) = rule {
+                        if cost > rule.limit.capacity() {
+                            let scope = format!("{scope} of tenant `{tname}`");
+                            problems.push((path.clone(), cost, scope, rule.limit.capacity()));
+                        }
+                    }
+                }
+            }
+        }
+        problems.sort();
+        problems.dedup();
+        for (path, cost, scope, cap) in problems {
+            let pos = find_pos(root, &path);
+            self.err(
+                pos,
+                &path,
+                format!("cost {cost} is above the {scope}'s capacity of {cap}: such a request could never be admitted"),
+            );
+        }
+    }
+}
+
+/// The position of the node at a dotted path (its longest existing prefix).
+fn find_pos(root: &Node, path: &str) -> Pos {
+    let mut node = root;
+    let mut rest = path;
+    'outer: while !rest.is_empty() {
+        let Value::Map(m) = &node.value else { break };
+        // Names may contain dots: try the longest matching key first.
+        let mut best: Option<(&Node, usize)> = None;
+        for (k, v) in m {
+            if rest == k.text || rest.starts_with(&format!("{}.", k.text)) {
+                if best.is_none_or(|(_, l)| k.text.len() > l) {
+                    best = Some((v, k.text.len()));
+                }
+            }
+        }
+        match best {
+            Some((v, l)) => {
+                node = v;
+                rest = rest.get(l + 1..).unwrap_or("");
+            }
+            None => break 'outer,
+        }
+    }
+    node.pos
+}

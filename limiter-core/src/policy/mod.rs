@@ -1,0 +1,336 @@
+//! The policy model: what limits apply to whom, and how a request resolves into the
+//! ordered chain of limits it is checked against.
+//!
+//! Policies are built by [`load`] from YAML (see the README's policy section); the
+//! types here are already validated: a `Policy` that exists is a usable one.
+
+pub mod load;
+pub mod tree;
+
+use std::collections::HashMap;
+use std::num::NonZeroU64;
+
+use crate::algorithm::Algorithm;
+use crate::clock::Nanos;
+use crate::decision::Scope;
+use crate::error::RequestError;
+use crate::key::LimitKeyRef;
+use crate::limit::Limit;
+use crate::rate::Rate;
+use crate::table::MAX_LEVELS;
+
+pub use load::{PolicyError, PolicyErrors, from_yaml};
+
+type Map<V> = HashMap<Box<str>, V, ahash::RandomState>;
+
+/// A named limit of the policy.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LimitRule {
+    /// The limit.
+    pub limit: Limit,
+    /// The name reported in `RateLimit-Policy` headers and the admin port.
+    pub name: Box<str>,
+}
+
+/// What a gateway does for a route when the limiter cannot be reached.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FailurePolicy {
+    /// Admit up to a local token bucket of this rate (burst: one period's amount),
+    /// answering `EMERGENCY_CEILING` past it.
+    FailOpen {
+        /// The emergency ceiling.
+        emergency_ceiling: Rate,
+    },
+    /// Reject with `LIMITER_UNAVAILABLE`.
+    FailClosed,
+}
+
+/// How leases are handed out for a route.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LeaseSettings {
+    /// Per-request decisions at the owner (no leased batches) when true.
+    pub exact: bool,
+    /// How long a grant stays usable.
+    pub ttl: Nanos,
+    /// The largest batch one grant may hold.
+    pub max_batch: NonZeroU64,
+}
+
+impl Default for LeaseSettings {
+    fn default() -> Self {
+        Self { exact: false, ttl: 2_000_000_000, max_batch: NonZeroU64::new(1_000).expect("1000") }
+    }
+}
+
+/// A route's settings, shared by all tenants.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RouteSpec {
+    /// Default cost of one request.
+    pub cost: NonZeroU64,
+    /// The route's limit across all tenants.
+    pub limit: Option<LimitRule>,
+    /// Decisions are computed and counted but every request is allowed.
+    pub shadow: bool,
+    /// What gateways do when the limiter is unreachable.
+    pub on_limiter_failure: FailurePolicy,
+    /// Lease settings.
+    pub lease: LeaseSettings,
+}
+
+/// A tenant's limit on one route.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TenantRouteSpec {
+    /// The limit.
+    pub rule: LimitRule,
+    /// The cost of one request for this tenant on this route, when it differs.
+    pub cost: Option<NonZeroU64>,
+}
+
+/// A tenant's limits.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct TenantSpec {
+    /// Across the tenant's routes.
+    pub limit: Option<LimitRule>,
+    /// Per route.
+    pub routes: Map<TenantRouteSpec>,
+    /// Per key, on each route.
+    pub per_key: Option<LimitRule>,
+}
+
+/// What happens to tenants the policy does not list.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum UnknownTenants {
+    /// Each unknown tenant gets its own counters with the `default` tenant's limits.
+    UseDefault,
+    /// Rejected with `UNKNOWN_TENANT`.
+    Reject,
+}
+
+/// Bounds on request names, from the server's configuration.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct NameBounds {
+    /// Longest tenant name, in bytes.
+    pub tenant: usize,
+    /// Longest route name, in bytes.
+    pub route: usize,
+    /// Longest key, in bytes.
+    pub key: usize,
+}
+
+impl Default for NameBounds {
+    fn default() -> Self {
+        Self { tenant: 128, route: 256, key: 256 }
+    }
+}
+
+/// A validated policy.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Policy {
+    /// The global ceiling.
+    pub global: Option<LimitRule>,
+    /// Shadow mode for every route.
+    pub shadow: bool,
+    /// Failure policy of routes that do not set one.
+    pub on_limiter_failure: FailurePolicy,
+    /// Lease settings of routes that do not set them.
+    pub lease: LeaseSettings,
+    /// Routes by name.
+    pub routes: Map<RouteSpec>,
+    /// Tenants by name.
+    pub tenants: Map<TenantSpec>,
+    /// The limits of tenants that are not listed.
+    pub default_tenant: Option<TenantSpec>,
+    /// The rule for unlisted tenants.
+    pub unknown_tenants: UnknownTenants,
+    /// A settings record for routes the policy does not list.
+    unlisted_route: RouteSpec,
+}
+
+/// A request as the policy sees it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Request<'a> {
+    /// Tenant name.
+    pub tenant: &'a str,
+    /// Route name.
+    pub route: &'a str,
+    /// Key within the tenant (API key, user), if any.
+    pub key: Option<&'a str>,
+    /// Units to charge; `None` takes the route's default.
+    pub cost: Option<u64>,
+    /// Check without charging.
+    pub dry_run: bool,
+}
+
+impl<'a> Request<'a> {
+    /// A request of the route's default cost, with no key.
+    pub fn new(tenant: &'a str, route: &'a str) -> Self {
+        Self { tenant, route, key: None, cost: None, dry_run: false }
+    }
+
+    /// With a key.
+    pub fn with_key(mut self, key: &'a str) -> Self {
+        self.key = Some(key);
+        self
+    }
+
+    /// With an explicit cost.
+    pub fn with_cost(mut self, cost: u64) -> Self {
+        self.cost = Some(cost);
+        self
+    }
+
+    /// As a dry run.
+    pub fn with_dry_run(mut self, dry_run: bool) -> Self {
+        self.dry_run = dry_run;
+        self
+    }
+}
+
+/// One level of a chain.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Level<'a> {
+    /// The level's scope.
+    pub scope: Scope,
+    /// Its limit.
+    pub rule: &'a LimitRule,
+    /// The counter it is charged against.
+    pub key: LimitKeyRef<'a>,
+}
+
+/// A request resolved against a policy: the limits it is checked against, outermost
+/// first, and how to treat it.
+#[derive(Debug, Clone, Copy)]
+pub struct Chain<'a> {
+    levels: [Option<Level<'a>>; MAX_LEVELS],
+    len: usize,
+    /// Units to charge (zero only for a dry run).
+    pub cost: u64,
+    /// Check without charging.
+    pub dry_run: bool,
+    /// Shadow mode (route or global).
+    pub shadow: bool,
+    /// The tenant is unknown and the policy rejects unknown tenants.
+    pub unknown_tenant: bool,
+    /// The route's settings (the unlisted-route defaults when it is not listed).
+    pub route: &'a RouteSpec,
+}
+
+impl<'a> Chain<'a> {
+    /// The levels, outermost first.
+    pub fn levels(&self) -> impl ExactSizeIterator<Item = &Level<'a>> + '_ {
+        self.levels[..self.len].iter().map(|l| l.as_ref().expect("levels below len are set"))
+    }
+
+    /// The counters of the levels, outermost first.
+    pub fn keys(&self) -> ([LimitKeyRef<'a>; MAX_LEVELS], usize) {
+        let mut keys = [LimitKeyRef::GLOBAL; MAX_LEVELS];
+        for (k, l) in keys.iter_mut().zip(self.levels()) {
+            *k = l.key;
+        }
+        (keys, self.len)
+    }
+
+    fn push(&mut self, scope: Scope, rule: Option<&'a LimitRule>, key: LimitKeyRef<'a>) {
+        if let Some(rule) = rule {
+            self.levels[self.len] = Some(Level { scope, rule, key });
+            self.len += 1;
+        }
+    }
+}
+
+fn check_name(field: &'static str, name: &str, max: usize) -> Result<(), RequestError> {
+    if name.is_empty() {
+        return Err(RequestError::EmptyName { field });
+    }
+    if name.len() > max {
+        return Err(RequestError::NameTooLong { field, len: name.len(), max });
+    }
+    if name.chars().any(char::is_control) {
+        return Err(RequestError::ControlCharacter { field });
+    }
+    Ok(())
+}
+
+impl Policy {
+    /// The settings of `route` (defaults when the policy does not list it).
+    pub fn route(&self, route: &str) -> &RouteSpec {
+        self.routes.get(route).unwrap_or(&self.unlisted_route)
+    }
+
+    /// The limits of `tenant`, or `None` when it is unknown and rejected.
+    pub fn tenant(&self, tenant: &str) -> Option<&TenantSpec> {
+        match self.tenants.get(tenant) {
+            Some(t) => Some(t),
+            None if self.unknown_tenants == UnknownTenants::UseDefault => {
+                self.default_tenant.as_ref()
+            }
+            None => None,
+        }
+    }
+
+    /// Resolves a request into its chain of limits, outermost first: global ceiling,
+    /// route, tenant, tenant x route, key.
+    ///
+    /// # Errors
+    ///
+    /// Empty or oversized names, a zero cost outside a dry run, and a cost above the
+    /// capacity of any level (which could never be admitted).
+    pub fn resolve<'a>(
+        &'a self,
+        req: &Request<'a>,
+        bounds: &NameBounds,
+    ) -> Result<Chain<'a>, RequestError> {
+        check_name("tenant", req.tenant, bounds.tenant)?;
+        check_name("route", req.route, bounds.route)?;
+        if let Some(key) = req.key {
+            check_name("key", key, bounds.key)?;
+        }
+        let route = self.route(req.route);
+        let tenant = self.tenant(req.tenant);
+        let tenant_route = tenant.and_then(|t| t.routes.get(req.route));
+        let cost = match req.cost {
+            Some(0) if !req.dry_run => return Err(RequestError::ZeroCost),
+            Some(c) => c,
+            None => tenant_route.and_then(|tr| tr.cost).unwrap_or(route.cost).get(),
+        };
+        let mut chain = Chain {
+            levels: [None; MAX_LEVELS],
+            len: 0,
+            cost,
+            dry_run: req.dry_run,
+            shadow: self.shadow || route.shadow,
+            unknown_tenant: tenant.is_none(),
+            route,
+        };
+        let (t, r) = (req.tenant, req.route);
+        chain.push(Scope::Global, self.global.as_ref(), LimitKeyRef::GLOBAL);
+        chain.push(Scope::Route, route.limit.as_ref(), LimitKeyRef::new(Scope::Route, t, r, ""));
+        if let Some(tenant) = tenant {
+            chain.push(
+                Scope::Tenant,
+                tenant.limit.as_ref(),
+                LimitKeyRef::new(Scope::Tenant, t, r, ""),
+            );
+            chain.push(
+                Scope::TenantRoute,
+                tenant_route.map(|tr| &tr.rule),
+                LimitKeyRef::new(Scope::TenantRoute, t, r, ""),
+            );
+            if let Some(key) = req.key {
+                chain.push(
+                    Scope::Key,
+                    tenant.per_key.as_ref(),
+                    LimitKeyRef::new(Scope::Key, t, r, key),
+                );
+            }
+        }
+        if let Some(l) = chain.levels().find(|l| cost > l.rule.limit.capacity()) {
+            return Err(RequestError::CostAboveLimit {
+                cost,
+                scope: l.scope,
+                capacity: l.rule.limit.capacity(),
+            });
+        }
+        Ok(chain)
+    }
+}

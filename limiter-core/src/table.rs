@@ -1,0 +1,347 @@
+//! The in-memory table of limit states: sharded, bounded, evicting.
+//!
+//! Keys are hashed once (`ahash`); the hash picks a shard and files the entry inside
+//! it. A decision locks the shards of its levels in ascending order, so two
+//! decisions can never deadlock, and holds them only while it computes.
+//!
+//! Memory is bounded by `max_keys`. Entries whose state is back to a full allowance
+//! ("idle") carry no information and are dropped first, losslessly; only when a
+//! shard is full of live entries are the least recently used eighth of them evicted
+//! (counted apart, since forgetting live usage can admit more than the limit).
+
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use hashbrown::HashTable;
+use parking_lot::{Mutex, MutexGuard};
+
+use crate::algorithm::Algorithm;
+use crate::clock::Nanos;
+use crate::key::{LimitKey, LimitKeyRef};
+use crate::limit::{Limit, LimitState};
+
+/// The most levels one decision touches (global, route, tenant, tenant x route, key).
+pub const MAX_LEVELS: usize = 5;
+
+/// One stored counter.
+#[derive(Debug, Clone)]
+pub struct Slot {
+    hash: u64,
+    key: LimitKey,
+    /// The limit the state was built for; a reload that changes it resets the state.
+    pub limit: Limit,
+    /// Last time a decision touched this slot.
+    pub last_seen: Nanos,
+    /// The algorithm state.
+    pub state: LimitState,
+}
+
+impl Slot {
+    /// The key this slot counts for.
+    pub fn key(&self) -> &LimitKey {
+        &self.key
+    }
+}
+
+#[repr(align(64))] // one shard per cache line: no false sharing between shard locks
+struct Shard(Mutex<HashTable<Slot>>);
+
+/// Counters the table keeps about itself.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct TableStats {
+    /// Keys held now.
+    pub keys: u64,
+    /// Idle entries dropped (lossless).
+    pub evicted_idle: u64,
+    /// Live entries evicted because the table was full.
+    pub evicted_live: u64,
+}
+
+/// Sharded map from [`LimitKey`] to state.
+pub struct StateTable {
+    shards: Box<[Shard]>,
+    hasher: ahash::RandomState,
+    max_per_shard: usize,
+    keys: AtomicU64,
+    evicted_idle: AtomicU64,
+    evicted_live: AtomicU64,
+}
+
+impl std::fmt::Debug for StateTable {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("StateTable")
+            .field("shards", &self.shards.len())
+            .field("stats", &self.stats())
+            .finish_non_exhaustive()
+    }
+}
+
+impl StateTable {
+    /// A table holding at most about `max_keys` keys (rounded up to a whole number per
+    /// shard) in `shards` shards (rounded up to a power of two, at least one).
+    pub fn new(max_keys: usize, shards: usize) -> Self {
+        let shards = shards.max(1).next_power_of_two();
+        let max_per_shard = max_keys.div_ceil(shards).max(1);
+        Self {
+            shards: (0..shards).map(|_| Shard(Mutex::new(HashTable::new()))).collect(),
+            hasher: ahash::RandomState::new(),
+            max_per_shard,
+            keys: AtomicU64::new(0),
+            evicted_idle: AtomicU64::new(0),
+            evicted_live: AtomicU64::new(0),
+        }
+    }
+
+    /// A table for `max_keys` keys with a shard count suited to the machine.
+    pub fn with_capacity(max_keys: usize) -> Self {
+        let threads = std::thread::available_parallelism().map_or(4, std::num::NonZero::get);
+        Self::new(max_keys, (threads * 16).min(1024))
+    }
+
+    /// The table's counters.
+    pub fn stats(&self) -> TableStats {
+        // Relaxed: these are statistics; no other memory depends on them.
+        TableStats {
+            keys: self.keys.load(Ordering::Relaxed),
+            evicted_idle: self.evicted_idle.load(Ordering::Relaxed),
+            evicted_live: self.evicted_live.load(Ordering::Relaxed),
+        }
+    }
+
+    /// The most keys the table holds.
+    pub fn max_keys(&self) -> usize {
+        self.max_per_shard * self.shards.len()
+    }
+
+    fn shard_of(&self, hash: u64) -> usize {
+        // Middle bits: hashbrown uses the low bits for buckets and the top 7 as tags.
+        ((hash >> 32) as usize) & (self.shards.len() - 1)
+    }
+
+    /// Locks the shards holding `keys` (at most [`MAX_LEVELS`]) for one decision.
+    ///
+    /// # Panics
+    ///
+    /// When given more than [`MAX_LEVELS`] keys.
+    pub fn lock<'t, 'k>(&'t self, keys: &[LimitKeyRef<'k>]) -> Locked<'t, 'k> {
+        assert!(keys.len() <= MAX_LEVELS, "at most {MAX_LEVELS} levels");
+        let mut locked = Locked {
+            table: self,
+            keys: [LimitKeyRef::GLOBAL; MAX_LEVELS],
+            hashes: [0; MAX_LEVELS],
+            guard_of: [0; MAX_LEVELS],
+            guards: [const { None }; MAX_LEVELS],
+            len: keys.len(),
+        };
+        let mut order = [(0usize, 0usize); MAX_LEVELS];
+        for (i, k) in keys.iter().enumerate() {
+            let h = k.hash_with(&self.hasher);
+            locked.keys[i] = *k;
+            locked.hashes[i] = h;
+            order[i] = (self.shard_of(h), i);
+        }
+        let order = &mut order[..keys.len()];
+        order.sort_unstable();
+        let mut last_shard = usize::MAX;
+        let mut g = 0;
+        for &(shard, i) in order.iter() {
+            if shard != last_shard {
+                locked.guards[g] = Some((shard, self.shards[shard].0.lock()));
+                last_shard = shard;
+                g += 1;
+            }
+            locked.guard_of[i] = g - 1;
+        }
+        locked
+    }
+
+    /// Drops every idle entry; returns how many. Run it from a background task.
+    pub fn sweep_idle(&self, now: Nanos) -> usize {
+        let mut dropped = 0;
+        for shard in &self.shards {
+            let mut map = shard.0.lock();
+            dropped += self.drop_idle(&mut map, now);
+        }
+        dropped
+    }
+
+    /// Removes every key; returns how many there were.
+    pub fn clear(&self) -> usize {
+        let mut n = 0;
+        for shard in &self.shards {
+            let mut map = shard.0.lock();
+            n += map.len();
+            map.clear();
+        }
+        self.keys.fetch_sub(n as u64, Ordering::Relaxed);
+        n
+    }
+
+    fn drop_idle(&self, map: &mut HashTable<Slot>, now: Nanos) -> usize {
+        let before = map.len();
+        map.retain(|s| !s.limit.is_idle(&s.state, now));
+        let dropped = before - map.len();
+        self.keys.fetch_sub(dropped as u64, Ordering::Relaxed);
+        self.evicted_idle.fetch_add(dropped as u64, Ordering::Relaxed);
+        dropped
+    }
+
+    /// Makes room in a full shard: idle entries first, then the least recently used
+    /// eighth of the live ones.
+    fn make_room(&self, map: &mut HashTable<Slot>, now: Nanos) {
+        if self.drop_idle(map, now) > 0 {
+            return;
+        }
+        let mut seen: Vec<Nanos> = map.iter().map(|s| s.last_seen).collect();
+        let cut = (seen.len() / 8).max(1);
+        let (_, threshold, _) = seen.select_nth_unstable(cut - 1);
+        let threshold = *threshold;
+        let mut budget = cut;
+        map.retain(|s| {
+            if budget > 0 && s.last_seen <= threshold {
+                budget -= 1;
+                false
+            } else {
+                true
+            }
+        });
+        let evicted = (cut - budget) as u64;
+        self.keys.fetch_sub(evicted, Ordering::Relaxed);
+        self.evicted_live.fetch_add(evicted, Ordering::Relaxed);
+    }
+}
+
+/// The shards of one decision's keys, locked. Dropping it unlocks them.
+pub struct Locked<'t, 'k> {
+    table: &'t StateTable,
+    keys: [LimitKeyRef<'k>; MAX_LEVELS],
+    hashes: [u64; MAX_LEVELS],
+    guard_of: [usize; MAX_LEVELS],
+    guards: [Option<(usize, MutexGuard<'t, HashTable<Slot>>)>; MAX_LEVELS],
+    len: usize,
+}
+
+impl Locked<'_, '_> {
+    /// Number of keys locked.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// True when no key is locked.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    fn map(&self, i: usize) -> &HashTable<Slot> {
+        &self.guards[self.guard_of[i]].as_ref().expect("guard locked for every key").1
+    }
+
+    /// The state of key `i` for `limit`; `None` when the key has no state (or state
+    /// for another limit), which reads as a fresh allowance.
+    pub fn get(&self, i: usize, limit: &Limit) -> Option<&LimitState> {
+        let key = self.keys[i];
+        self.map(i)
+            .find(self.hashes[i], |s| s.key.as_ref() == key)
+            .filter(|s| s.limit == *limit)
+            .map(|s| &s.state)
+    }
+
+    /// The slot of key `i`, created (or reset, if built for another limit) as needed,
+    /// with `last_seen` set to `now`.
+    pub fn slot_mut(&mut self, i: usize, limit: &Limit, now: Nanos) -> &mut Slot {
+        let key = self.keys[i];
+        let hash = self.hashes[i];
+        let table = self.table;
+        let map = &mut self.guards[self.guard_of[i]].as_mut().expect("guard locked").1;
+        if map.find(hash, |s| s.key.as_ref() == key).is_none() {
+            if map.len() >= table.max_per_shard {
+                table.make_room(map, now);
+            }
+            map.insert_unique(
+                hash,
+                Slot {
+                    hash,
+                    key: key.to_owned_key(),
+                    limit: *limit,
+                    last_seen: now,
+                    state: LimitState::Fresh,
+                },
+                |s| s.hash,
+            );
+            table.keys.fetch_add(1, Ordering::Relaxed);
+        }
+        let slot = map.find_mut(hash, |s| s.key.as_ref() == key).expect("just ensured");
+        if slot.limit != *limit {
+            slot.limit = *limit;
+            slot.state = LimitState::Fresh;
+        }
+        slot.last_seen = slot.last_seen.max(now);
+        slot
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::algorithm::{FixedWindow, TokenBucket};
+    use crate::decision::Scope;
+    use std::num::NonZeroU64;
+
+    fn fw(limit: u64) -> Limit {
+        Limit::FixedWindow(FixedWindow::new(
+            NonZeroU64::new(limit).unwrap(),
+            NonZeroU64::new(1_000).unwrap(),
+        ))
+    }
+
+    #[test]
+    fn cap_holds_and_idle_keys_go_first() {
+        let t = StateTable::new(64, 4);
+        let limit = fw(10);
+        let names: Vec<String> = (0..1_000).map(|i| format!("k{i}")).collect();
+        for (n, name) in names.iter().enumerate() {
+            let k = LimitKeyRef::new(Scope::Key, "t", "/r", name);
+            let mut l = t.lock(&[k]);
+            let slot = l.slot_mut(0, &limit, n as u64 % 1_000);
+            limit.charge(&mut slot.state, n as u64 % 1_000, 1);
+        }
+        let s = t.stats();
+        assert!(s.keys as usize <= t.max_keys(), "{s:?}");
+        assert!(s.evicted_live > 0);
+        // A new window: every key is idle again and a sweep drops them all, losslessly.
+        let dropped = t.sweep_idle(5_000);
+        assert_eq!(dropped as u64, s.keys);
+        assert_eq!(t.stats().keys, 0);
+    }
+
+    #[test]
+    fn a_changed_limit_resets_the_state() {
+        let t = StateTable::new(16, 1);
+        let k = LimitKeyRef::new(Scope::Tenant, "a", "", "");
+        let a = fw(5);
+        let b = Limit::TokenBucket(TokenBucket::new(
+            "5/s".parse().unwrap(),
+            NonZeroU64::new(5).unwrap(),
+        ));
+        {
+            let mut l = t.lock(&[k]);
+            let slot = l.slot_mut(0, &a, 0);
+            a.charge(&mut slot.state, 0, 5);
+            assert!(l.get(0, &a).is_some());
+            assert!(l.get(0, &b).is_none());
+        }
+        let mut l = t.lock(&[k]);
+        assert_eq!(b.remaining(&l.slot_mut(0, &b, 0).state, 0), 5);
+    }
+
+    #[test]
+    fn locking_many_keys_in_one_shard_does_not_deadlock() {
+        let t = StateTable::new(16, 1);
+        let keys = [
+            LimitKeyRef::GLOBAL,
+            LimitKeyRef::new(Scope::Route, "", "/r", ""),
+            LimitKeyRef::new(Scope::Tenant, "a", "", ""),
+        ];
+        let l = t.lock(&keys);
+        assert_eq!(l.len(), 3);
+    }
+}

@@ -32,7 +32,9 @@ pub enum RequestError {
     #[error("cost must be at least 1 (ask for a dry run to check without charging)")]
     ZeroCost,
     /// A cost above what a level can ever admit.
-    #[error("cost {cost} can never be admitted: the {scope} limit allows at most {capacity} at once")]
+    #[error(
+        "cost {cost} can never be admitted: the {scope} limit allows at most {capacity} at once"
+    )]
     CostAboveLimit {
         /// The request's cost.
         cost: u64,

@@ -41,6 +41,19 @@ pub struct Grant {
     pub binding: Option<Scope>,
 }
 
+/// One level's state as seen by [`Limiter::inspect`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LevelView {
+    /// The level.
+    pub scope: Scope,
+    /// Units that would be admitted now.
+    pub remaining: u64,
+    /// Nanoseconds until the level is back to its full allowance.
+    pub reset_after: Nanos,
+    /// The stored state (`None`: never charged, or evicted while idle).
+    pub state: Option<LimitState>,
+}
+
 /// Evaluates chains against a table of states.
 ///
 /// # Examples
@@ -152,6 +165,27 @@ impl Limiter {
                 }
             }
         }
+    }
+
+    /// Every level's state, without charging anything (diagnostics, tests).
+    pub fn inspect(&self, chain: &Chain<'_>, now: Nanos) -> Vec<LevelView> {
+        let locked = self.lock(chain);
+        let fresh = LimitState::Fresh;
+        chain
+            .levels()
+            .enumerate()
+            .map(|(i, level)| {
+                let limit = &level.rule.limit;
+                let state = locked.get(i, limit);
+                let s = state.unwrap_or(&fresh);
+                LevelView {
+                    scope: level.scope,
+                    remaining: limit.remaining(s, now),
+                    reset_after: limit.reset_after(s, now),
+                    state: state.cloned(),
+                }
+            })
+            .collect()
     }
 
     /// Grants up to `max` units from every level at once: the most that every level

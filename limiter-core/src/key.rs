@@ -41,9 +41,7 @@ impl<'a> LimitKeyRef<'a> {
 
     /// The 64-bit hash the state table files this key under.
     pub fn hash_with<S: BuildHasher>(&self, build: &S) -> u64 {
-        let mut h = build.build_hasher();
-        self.hash(&mut h);
-        h.finish()
+        build.hash_one(self)
     }
 
     /// An owned copy.

@@ -22,5 +22,5 @@ pub mod table;
 
 pub use decision::{Binding, Decision, Reason, Scope};
 pub use error::RequestError;
-pub use hierarchy::{Grant, Limiter, Verdict};
+pub use hierarchy::{Grant, LevelView, Limiter, Verdict};
 pub use limit::{AlgorithmKind, Limit, LimitState};

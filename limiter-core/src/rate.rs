@@ -162,7 +162,7 @@ impl fmt::Display for DurationText {
         let (size, unit) = UNITS
             .iter()
             .copied()
-            .find(|(size, _)| n % size == 0 && n >= *size)
+            .find(|(size, _)| n.is_multiple_of(*size) && n >= *size)
             .unwrap_or((1, "ns"));
         write!(f, "{}{unit}", n / size)
     }

@@ -410,12 +410,14 @@ impl Cx<'_> {
         failure: FailurePolicy,
         lease: LeaseSettings,
     ) -> Option<RouteSpec> {
-        let f = self.fields(node, path, &["cost", "limit", "shadow", "on_limiter_failure", "lease"])?;
+        let f =
+            self.fields(node, path, &["cost", "limit", "shadow", "on_limiter_failure", "lease"])?;
         let cost = match f.get("cost") {
             Some(n) => self.positive(n, &join(path, "cost"), MAX_AMOUNT),
             None => Some(NonZeroU64::MIN),
         };
-        let limit = f.get("limit").map(|n| self.limit_rule(n, &join(path, "limit"), "route", &[]).0);
+        let limit =
+            f.get("limit").map(|n| self.limit_rule(n, &join(path, "limit"), "route", &[]).0);
         let shadow = f.get("shadow").map(|n| self.boolean(n, &join(path, "shadow")));
         let on_limiter_failure = match f.get("on_limiter_failure") {
             Some(n) => self.failure_policy(n, &join(path, "on_limiter_failure")),
@@ -436,7 +438,8 @@ impl Cx<'_> {
 
     fn tenant(&mut self, node: &Node, path: &str) -> Option<TenantSpec> {
         let f = self.fields(node, path, &["limit", "routes", "per_key"])?;
-        let limit = f.get("limit").and_then(|n| self.limit_rule(n, &join(path, "limit"), "tenant", &[]).0);
+        let limit =
+            f.get("limit").and_then(|n| self.limit_rule(n, &join(path, "limit"), "tenant", &[]).0);
         let per_key =
             f.get("per_key").and_then(|n| self.limit_rule(n, &join(path, "per_key"), "key", &[]).0);
         let mut routes = Map::default();
@@ -497,10 +500,14 @@ impl Cx<'_> {
                 self.err(
                     k.pos,
                     &join(path, name),
-                    format!("`{name}` does not apply to {}; it takes {}", kind.as_str(), match kind {
-                        AlgorithmKind::TokenBucket => "`rate` and optionally `burst`",
-                        _ => "`limit` and `window`",
-                    }),
+                    format!(
+                        "`{name}` does not apply to {}; it takes {}",
+                        kind.as_str(),
+                        match kind {
+                            AlgorithmKind::TokenBucket => "`rate` and optionally `burst`",
+                            _ => "`limit` and `window`",
+                        }
+                    ),
                 );
             }
         }
@@ -522,8 +529,13 @@ impl Cx<'_> {
                 rate.zip(burst).map(|(r, b)| Limit::TokenBucket(TokenBucket::new(r, b)))
             }
             _ => {
-                let max = if kind == AlgorithmKind::SlidingLog { SLIDING_LOG_MAX_LIMIT } else { MAX_AMOUNT };
-                let limit = self.positive(f.get("limit").expect("required"), &join(path, "limit"), max);
+                let max = if kind == AlgorithmKind::SlidingLog {
+                    SLIDING_LOG_MAX_LIMIT
+                } else {
+                    MAX_AMOUNT
+                };
+                let limit =
+                    self.positive(f.get("limit").expect("required"), &join(path, "limit"), max);
                 let window = self
                     .duration(f.get("window").expect("required"), &join(path, "window"))
                     .and_then(NonZeroU64::new);
@@ -588,7 +600,11 @@ impl Cx<'_> {
                 Some("leased") => out.exact = false,
                 Some("exact") => out.exact = true,
                 Some(other) => {
-                    self.err(m.pos, &join(path, "mode"), format!("expected `leased` or `exact`, found `{other}`"));
+                    self.err(
+                        m.pos,
+                        &join(path, "mode"),
+                        format!("expected `leased` or `exact`, found `{other}`"),
+                    );
                     ok = false;
                 }
                 None => ok = false,
@@ -597,7 +613,11 @@ impl Cx<'_> {
         if let Some(t) = f.get("ttl") {
             match self.duration(t, &join(path, "ttl")) {
                 Some(d) if d > 60_000_000_000 => {
-                    self.err(t.pos, &join(path, "ttl"), "must be at most 60s: leases lease tokens, not a rate");
+                    self.err(
+                        t.pos,
+                        &join(path, "ttl"),
+                        "must be at most 60s: leases lease tokens, not a rate",
+                    );
                     ok = false;
                 }
                 Some(d) => out.ttl = d,
@@ -621,11 +641,11 @@ impl Cx<'_> {
         for (rname, r) in &p.routes {
             let path = format!("routes.{rname}.cost");
             for (scope, rule) in [("global ceiling", global), ("route limit", r.limit.as_ref())] {
-                if let Some(rule) = rule {
-                    if r.cost.get() > rule.limit.capacity() {
-                        let scope = scope.to_owned();
-                        problems.push((path.clone(), r.cost.get(), scope, rule.limit.capacity()));
-                    }
+                if let Some(rule) = rule
+                    && r.cost.get() > rule.limit.capacity()
+                {
+                    let scope = scope.to_owned();
+                    problems.push((path.clone(), r.cost.get(), scope, rule.limit.capacity()));
                 }
             }
         }
@@ -652,11 +672,11 @@ impl Cx<'_> {
                     ("per-key limit", t.per_key.as_ref()),
                 ];
                 for (scope, rule) in levels {
-                    if let Some(rule) = rule {
-                        if cost > rule.limit.capacity() {
-                            let scope = format!("{scope} of tenant `{tname}`");
-                            problems.push((path.clone(), cost, scope, rule.limit.capacity()));
-                        }
+                    if let Some(rule) = rule
+                        && cost > rule.limit.capacity()
+                    {
+                        let scope = format!("{scope} of tenant `{tname}`");
+                        problems.push((path.clone(), cost, scope, rule.limit.capacity()));
                     }
                 }
             }
@@ -668,7 +688,7 @@ impl Cx<'_> {
             self.err(
                 pos,
                 &path,
-                format!("cost {cost} is above the {scope}'s capacity of {cap}: such a request could never be admitted"),
+                format!("cost {cost} can never be admitted: the {scope} holds at most {cap}"),
             );
         }
     }
@@ -683,10 +703,9 @@ fn find_pos(root: &Node, path: &str) -> Pos {
         // Names may contain dots: try the longest matching key first.
         let mut best: Option<(&Node, usize)> = None;
         for (k, v) in m {
-            if rest == k.text || rest.starts_with(&format!("{}.", k.text)) {
-                if best.is_none_or(|(_, l)| k.text.len() > l) {
-                    best = Some((v, k.text.len()));
-                }
+            let matches = rest == k.text || rest.starts_with(&format!("{}.", k.text));
+            if matches && best.is_none_or(|(_, l)| k.text.len() > l) {
+                best = Some((v, k.text.len()));
             }
         }
         match best {

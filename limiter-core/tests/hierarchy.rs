@@ -1,0 +1,260 @@
+//! The hierarchy: all-or-nothing charging, the outermost failing scope, the longest
+//! retry, unknown tenants, shadow mode, dry runs, and request errors.
+
+use limiter_core::clock::NANOS_PER_SEC;
+use limiter_core::policy::{NameBounds, Policy, Request, from_yaml};
+use limiter_core::{Decision, Limiter, Reason, RequestError, Scope};
+use proptest::prelude::*;
+
+const POLICY: &str = r"
+version: 1
+global:
+  ceiling: { algorithm: token_bucket, rate: 100/s, burst: 100 }
+routes:
+  /r:
+    limit: { algorithm: fixed_window, limit: 50, window: 1s }
+  /shadowed:
+    shadow: true
+tenants:
+  t:
+    limit: { algorithm: sliding_log, limit: 20, window: 1s }
+    routes:
+      /r: { algorithm: sliding_counter, limit: 10, window: 1s }
+    per_key: { algorithm: token_bucket, rate: 5/s, burst: 5 }
+";
+
+fn policy(text: &str) -> Policy {
+    from_yaml(text, "test.yaml").unwrap()
+}
+
+fn decide(l: &Limiter, p: &Policy, req: Request<'_>, now: u64) -> Decision {
+    let chain = p.resolve(&req, &NameBounds::default()).unwrap();
+    l.decide(&chain, now).decision
+}
+
+/// Policy text with the limit of `scope` set to capacity `cap` (others roomy).
+fn tight(scope: Scope, cap: u64) -> String {
+    let lim = |s: Scope, roomy: u64| if s == scope { cap } else { roomy };
+    format!(
+        "version: 1
+global: {{ ceiling: {{ algorithm: fixed_window, limit: {}, window: 10s }} }}
+routes: {{ /r: {{ limit: {{ algorithm: sliding_log, limit: {}, window: 10s }} }} }}
+tenants:
+  t:
+    limit: {{ algorithm: token_bucket, rate: {}/10s }}
+    routes: {{ /r: {{ algorithm: sliding_counter, limit: {}, window: 10s }} }}
+    per_key: {{ algorithm: fixed_window, limit: {}, window: 10s }}
+",
+        lim(Scope::Global, 1000),
+        lim(Scope::Route, 1000),
+        lim(Scope::Tenant, 1000),
+        lim(Scope::TenantRoute, 1000),
+        lim(Scope::Key, 1000),
+    )
+}
+
+#[test]
+fn a_rejection_at_any_level_charges_no_level() {
+    for scope in Scope::ALL {
+        let p = policy(&tight(scope, 3));
+        let l = Limiter::new(1_000);
+        let req = Request::new("t", "/r").with_key("k");
+        for _ in 0..3 {
+            assert!(decide(&l, &p, req, 0).is_allowed());
+        }
+        let chain = p.resolve(&req, &NameBounds::default()).unwrap();
+        let before = l.inspect(&chain, 0);
+        assert_eq!(before.len(), 5);
+        match decide(&l, &p, req, 0) {
+            Decision::Rejected { reason, scope: s, .. } => {
+                assert_eq!(s, scope);
+                assert_eq!(reason, scope.reason());
+            }
+            d @ Decision::Allowed { .. } => panic!("{scope}: {d:?}"),
+        }
+        assert_eq!(l.inspect(&chain, 0), before, "{scope}: a rejection changed state");
+    }
+}
+
+#[test]
+fn scope_is_the_outermost_failure_and_retry_the_longest_wait() {
+    let p = policy(POLICY);
+    let l = Limiter::new(1_000);
+    // The tenant x route level (10/s sliding counter) fails first.
+    for _ in 0..10 {
+        assert!(decide(&l, &p, Request::new("t", "/r"), 0).is_allowed());
+    }
+    // Exhaust the tenant level (20 per second, sliding log) on another route.
+    for _ in 0..10 {
+        assert!(decide(&l, &p, Request::new("t", "/other"), 0).is_allowed());
+    }
+    match decide(&l, &p, Request::new("t", "/r"), 500_000_000) {
+        Decision::Rejected { reason, scope, retry_after, limit } => {
+            assert_eq!(scope, Scope::Tenant, "outermost failing level");
+            assert_eq!(reason, Reason::TenantLimit);
+            assert!(limit.is_some());
+            // Tenant (sliding log) frees at 1 s; tenant x route (sliding counter with
+            // 10 in the previous window) needs 10*(1-e) <= 9, e >= 0.1 s into the next
+            // window: 1.1 s. The longer wait, 0.6 s from now, wins.
+            assert_eq!(retry_after, 600_000_000);
+        }
+        d @ Decision::Allowed { .. } => panic!("{d:?}"),
+    }
+    assert!(decide(&l, &p, Request::new("t", "/r"), 1_100_000_000 - 1).reason().is_some());
+    assert!(decide(&l, &p, Request::new("t", "/r"), 1_100_000_000).is_allowed());
+}
+
+#[test]
+fn allowed_reports_the_tightest_level() {
+    let p = policy(POLICY);
+    let l = Limiter::new(1_000);
+    match decide(&l, &p, Request::new("t", "/r").with_key("k").with_cost(2), 0) {
+        Decision::Allowed { remaining, binding, reset_after } => {
+            assert_eq!(remaining, 3, "the key bucket holds 5");
+            assert_eq!(binding.unwrap().scope, Scope::Key);
+            // Two tokens at 5/s refill in 400 ms.
+            assert_eq!(reset_after, 400_000_000);
+        }
+        d @ Decision::Rejected { .. } => panic!("{d:?}"),
+    }
+}
+
+#[test]
+fn unknown_tenants_follow_the_explicit_rule() {
+    let reject = policy(
+        "version: 1\ntenants:\n  a:\n    limit: { algorithm: fixed_window, limit: 1, window: 1s }\n",
+    );
+    let l = Limiter::new(100);
+    assert_eq!(
+        decide(&l, &reject, Request::new("b", "/r"), 0).reason(),
+        Some(Reason::UnknownTenant)
+    );
+
+    let dflt = policy(
+        "version: 1\ntenants:\n  default:\n    limit: { algorithm: fixed_window, limit: 1, window: 1s }\n",
+    );
+    // Each unknown tenant gets its own counter under the default limits.
+    assert!(decide(&l, &dflt, Request::new("x", "/r"), 0).is_allowed());
+    assert!(decide(&l, &dflt, Request::new("y", "/r"), 0).is_allowed());
+    assert_eq!(decide(&l, &dflt, Request::new("x", "/r"), 0).reason(), Some(Reason::TenantLimit));
+}
+
+#[test]
+fn shadow_mode_admits_but_reports_the_rejection_and_charges_nothing_extra() {
+    let p = policy(
+        "version: 1\nroutes: { /s: { shadow: true } }\ntenants:\n  t:\n    limit: { algorithm: fixed_window, limit: 1, window: 1s }\n",
+    );
+    let l = Limiter::new(100);
+    let chain = p.resolve(&Request::new("t", "/s"), &NameBounds::default()).unwrap();
+    assert!(l.decide(&chain, 0).admitted());
+    let v = l.decide(&chain, 0);
+    assert!(v.admitted() && v.shadow);
+    assert_eq!(v.decision.reason(), Some(Reason::TenantLimit));
+    // Another route is enforced, and sees the one unit the shadowed route charged.
+    assert_eq!(decide(&l, &p, Request::new("t", "/x"), 0).reason(), Some(Reason::TenantLimit));
+}
+
+#[test]
+fn dry_runs_check_without_charging() {
+    let p = policy(POLICY);
+    let l = Limiter::new(100);
+    for _ in 0..20 {
+        assert!(
+            decide(&l, &p, Request::new("t", "/r").with_cost(5).with_dry_run(true), 0).is_allowed()
+        );
+    }
+    // Cost 0 in a dry run is a plain look at the remaining units.
+    match decide(&l, &p, Request::new("t", "/r").with_cost(0).with_dry_run(true), 0) {
+        Decision::Allowed { remaining, .. } => assert_eq!(remaining, 10),
+        d @ Decision::Rejected { .. } => panic!("{d:?}"),
+    }
+}
+
+#[test]
+fn requests_that_can_never_succeed_are_errors() {
+    let p = policy(POLICY);
+    let b = NameBounds { tenant: 8, route: 8, key: 8 };
+    let e = |r: Request<'_>| p.resolve(&r, &b).unwrap_err();
+    assert_eq!(e(Request::new("", "/r")), RequestError::EmptyName { field: "tenant" });
+    assert_eq!(e(Request::new("t", "")), RequestError::EmptyName { field: "route" });
+    assert_eq!(
+        e(Request::new("tenant-too-long", "/r")),
+        RequestError::NameTooLong { field: "tenant", len: 15, max: 8 }
+    );
+    assert_eq!(
+        e(Request::new("t", "/r").with_key("k\n")),
+        RequestError::ControlCharacter { field: "key" }
+    );
+    assert_eq!(e(Request::new("t", "/r").with_cost(0)), RequestError::ZeroCost);
+    assert_eq!(
+        e(Request::new("t", "/r").with_cost(11)),
+        RequestError::CostAboveLimit { cost: 11, scope: Scope::TenantRoute, capacity: 10 }
+    );
+    assert_eq!(e(Request::new("t", "/r").with_cost(11)).field(), "cost");
+}
+
+#[test]
+fn reconcile_charges_or_refunds_the_difference() {
+    let p = policy(POLICY);
+    let l = Limiter::new(100);
+    let chain = p.resolve(&Request::new("t", "/r").with_cost(4), &NameBounds::default()).unwrap();
+    assert!(l.decide(&chain, 0).admitted());
+    let remaining =
+        |l: &Limiter| l.inspect(&chain, 0).iter().map(|v| v.remaining).collect::<Vec<_>>();
+    assert_eq!(remaining(&l), vec![96, 46, 16, 6]);
+    // Actual 1: three units come back on every level.
+    l.reconcile(&chain, 0, 0, 4, 1);
+    assert_eq!(remaining(&l), vec![99, 49, 19, 9]);
+    // Actual 25 on a later estimate of 4: 21 more, past the tenant x route limit: a debt.
+    assert!(l.decide(&chain, 0).admitted());
+    l.reconcile(&chain, 0, 0, 4, 25);
+    assert_eq!(remaining(&l), vec![74, 24, 0, 0]);
+    assert!(!l.decide(&chain, NANOS_PER_SEC / 2).admitted());
+}
+
+#[test]
+fn grants_take_the_same_units_from_every_level() {
+    let p = policy(POLICY);
+    let l = Limiter::new(100);
+    let chain = p.resolve(&Request::new("t", "/r").with_key("k"), &NameBounds::default()).unwrap();
+    let g = l.grant(&chain, 0, 100);
+    assert_eq!((g.units, g.binding), (5, Some(Scope::Key)));
+    let left: Vec<u64> = l.inspect(&chain, 0).iter().map(|v| v.remaining).collect();
+    assert_eq!(left, vec![95, 45, 15, 5, 0]);
+    l.refund(&chain, 0, g.granted_at, 5);
+    let left: Vec<u64> = l.inspect(&chain, 0).iter().map(|v| v.remaining).collect();
+    assert_eq!(left, vec![100, 50, 20, 10, 5]);
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(128))]
+
+    /// Any mix of requests: a rejection changes no level; an admission charges every
+    /// level by exactly its cost.
+    #[test]
+    fn all_or_nothing_over_random_traffic(
+        reqs in prop::collection::vec((0usize..2, 0usize..3, 0usize..3, 1u64..5, 0u64..50_000_000), 1..150)
+    ) {
+        let p = policy(POLICY);
+        let l = Limiter::new(1_000);
+        let tenants = ["t", "u"];
+        let routes = ["/r", "/x", "/shadowed"];
+        let keys = ["a", "b", "c"];
+        let mut now = 0;
+        for (t, r, k, cost, dt) in reqs {
+            now += dt;
+            let req = Request::new(tenants[t], routes[r]).with_key(keys[k]).with_cost(cost);
+            let Ok(chain) = p.resolve(&req, &NameBounds::default()) else { continue };
+            let before = l.inspect(&chain, now);
+            let v = l.decide(&chain, now);
+            let after = l.inspect(&chain, now);
+            if v.decision.is_allowed() {
+                for (b, a) in before.iter().zip(&after) {
+                    prop_assert_eq!(a.remaining, b.remaining - cost);
+                }
+            } else {
+                prop_assert_eq!(before, after);
+            }
+        }
+    }
+}

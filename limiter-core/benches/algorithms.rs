@@ -34,7 +34,8 @@ fn nz(v: u64) -> NonZeroU64 {
 }
 
 fn quota() -> Quota {
-    Quota::per_second(NonZeroU32::new(1_000_000).unwrap()).allow_burst(NonZeroU32::new(1_000).unwrap())
+    Quota::per_second(NonZeroU32::new(1_000_000).unwrap())
+        .allow_burst(NonZeroU32::new(1_000).unwrap())
 }
 
 fn bucket() -> TokenBucket {
@@ -96,17 +97,18 @@ fn key_names() -> Vec<String> {
 fn keyed_group(c: &mut Criterion, threads: usize) {
     let mut g = c.benchmark_group(format!("keyed_{KEYS}_keys_{threads}_threads"));
     let names = Arc::new(key_names());
-    let limit = Limit::TokenBucket(bucket());
+    let limit = Arc::new(Limit::TokenBucket(bucket()));
 
     let table = Arc::new(StateTable::new(KEYS * 2, 64));
     let clock = ManualClock::new(0);
     run(&mut g, "ours_table", threads, {
-        let (names, table, clock) = (names.clone(), table.clone(), clock.clone());
+        let (names, table, clock, limit) =
+            (names.clone(), table.clone(), clock.clone(), limit.clone());
         move |i| {
             clock.advance(STEP);
             let now = clock.now();
-            let key = LimitKeyRef::new(Scope::Key, "tenant", "/route", &names[i % KEYS]);
-            let mut locked = table.lock(&[key]);
+            let key = [LimitKeyRef::new(Scope::Key, "tenant", "/route", &names[i % KEYS])];
+            let mut locked = table.lock(&key);
             let slot = locked.slot_mut(0, &limit, now);
             limit.try_acquire(&mut slot.state, now, 1)
         }

@@ -11,7 +11,7 @@ use crate::clock::Nanos;
 use crate::decision::{Binding, Decision, Reason, Scope};
 use crate::limit::LimitState;
 use crate::policy::Chain;
-use crate::table::{Locked, StateTable};
+use crate::table::StateTable;
 
 /// A decision and whether shadow mode turns a rejection into an admission.
 #[must_use]
@@ -91,11 +91,6 @@ impl Limiter {
         &self.table
     }
 
-    fn lock<'t, 'k>(&'t self, chain: &Chain<'k>) -> Locked<'t, 'k> {
-        let (keys, len) = chain.keys();
-        self.table.lock(&keys[..len])
-    }
-
     /// Checks a request against every level and charges all of them, or none.
     pub fn decide(&self, chain: &Chain<'_>, now: Nanos) -> Verdict {
         let decision = if chain.unknown_tenant {
@@ -112,7 +107,7 @@ impl Limiter {
     }
 
     fn decide_levels(&self, chain: &Chain<'_>, now: Nanos) -> Decision {
-        let mut locked = self.lock(chain);
+        let mut locked = self.table.lock(chain.keys());
         let fresh = LimitState::Fresh;
         let cost = chain.cost;
         // (index, remaining after) of the tightest admitting level.
@@ -141,7 +136,7 @@ impl Limiter {
             return Decision::Rejected {
                 reason: level.scope.reason(),
                 scope: level.scope,
-                limit: Some(level.rule.limit),
+                limit: Some(*level.rule.limit),
                 retry_after,
             };
         }
@@ -161,7 +156,7 @@ impl Limiter {
                 Decision::Allowed {
                     remaining,
                     reset_after,
-                    binding: Some(Binding { scope: level.scope, limit: *limit }),
+                    binding: Some(Binding { scope: level.scope, limit: **limit }),
                 }
             }
         }
@@ -169,7 +164,7 @@ impl Limiter {
 
     /// Every level's state, without charging anything (diagnostics, tests).
     pub fn inspect(&self, chain: &Chain<'_>, now: Nanos) -> Vec<LevelView> {
-        let locked = self.lock(chain);
+        let locked = self.table.lock(chain.keys());
         let fresh = LimitState::Fresh;
         chain
             .levels()
@@ -191,7 +186,7 @@ impl Limiter {
     /// Grants up to `max` units from every level at once: the most that every level
     /// can give, debited from all of them (the primitive leases are made of).
     pub fn grant(&self, chain: &Chain<'_>, now: Nanos, max: u64) -> Grant {
-        let mut locked = self.lock(chain);
+        let mut locked = self.table.lock(chain.keys());
         let fresh = LimitState::Fresh;
         let mut units = max;
         let mut binding = None;
@@ -221,7 +216,7 @@ impl Limiter {
         if units == 0 || chain.unknown_tenant {
             return;
         }
-        let mut locked = self.lock(chain);
+        let mut locked = self.table.lock(chain.keys());
         for (i, level) in chain.levels().enumerate() {
             let limit = &level.rule.limit;
             let slot = locked.slot_mut(i, limit, now);
@@ -235,7 +230,7 @@ impl Limiter {
         if units == 0 || chain.unknown_tenant {
             return;
         }
-        let mut locked = self.lock(chain);
+        let mut locked = self.table.lock(chain.keys());
         for (i, level) in chain.levels().enumerate() {
             let limit = &level.rule.limit;
             if locked.get(i, limit).is_some() {

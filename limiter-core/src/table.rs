@@ -9,9 +9,11 @@
 //! shard is full of live entries are the least recently used eighth of them evicted
 //! (counted apart, since forgetting live usage can admit more than the limit).
 
+use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use hashbrown::HashTable;
+use hashbrown::hash_table::Entry;
 use parking_lot::{Mutex, MutexGuard};
 
 use crate::algorithm::Algorithm;
@@ -22,13 +24,13 @@ use crate::limit::{Limit, LimitState};
 /// The most levels one decision touches (global, route, tenant, tenant x route, key).
 pub const MAX_LEVELS: usize = 5;
 
-/// One stored counter.
+/// One stored counter: 80 bytes, plus the key's text.
 #[derive(Debug, Clone)]
 pub struct Slot {
-    hash: u64,
     key: LimitKey,
     /// The limit the state was built for; a reload that changes it resets the state.
-    pub limit: Limit,
+    /// Shared with the policy, so thousands of keys of one rule hold one copy.
+    pub limit: Arc<Limit>,
     /// Last time a decision touched this slot.
     pub last_seen: Nanos,
     /// The algorithm state.
@@ -122,20 +124,18 @@ impl StateTable {
     /// # Panics
     ///
     /// When given more than [`MAX_LEVELS`] keys.
-    pub fn lock<'t, 'k>(&'t self, keys: &[LimitKeyRef<'k>]) -> Locked<'t, 'k> {
+    pub fn lock<'t, 'k>(&'t self, keys: &'k [LimitKeyRef<'k>]) -> Locked<'t, 'k> {
         assert!(keys.len() <= MAX_LEVELS, "at most {MAX_LEVELS} levels");
         let mut locked = Locked {
             table: self,
-            keys: [LimitKeyRef::GLOBAL; MAX_LEVELS],
+            keys,
             hashes: [0; MAX_LEVELS],
             guard_of: [0; MAX_LEVELS],
             guards: [const { None }; MAX_LEVELS],
-            len: keys.len(),
         };
         let mut order = [(0usize, 0usize); MAX_LEVELS];
         for (i, k) in keys.iter().enumerate() {
             let h = k.hash_with(&self.hasher);
-            locked.keys[i] = *k;
             locked.hashes[i] = h;
             order[i] = (self.shard_of(h), i);
         }
@@ -213,22 +213,21 @@ impl StateTable {
 /// The shards of one decision's keys, locked. Dropping it unlocks them.
 pub struct Locked<'t, 'k> {
     table: &'t StateTable,
-    keys: [LimitKeyRef<'k>; MAX_LEVELS],
+    keys: &'k [LimitKeyRef<'k>],
     hashes: [u64; MAX_LEVELS],
     guard_of: [usize; MAX_LEVELS],
     guards: [Option<(usize, MutexGuard<'t, HashTable<Slot>>)>; MAX_LEVELS],
-    len: usize,
 }
 
 impl Locked<'_, '_> {
     /// Number of keys locked.
     pub fn len(&self) -> usize {
-        self.len
+        self.keys.len()
     }
 
     /// True when no key is locked.
     pub fn is_empty(&self) -> bool {
-        self.len == 0
+        self.keys.is_empty()
     }
 
     fn map(&self, i: usize) -> &HashTable<Slot> {
@@ -241,37 +240,37 @@ impl Locked<'_, '_> {
         let key = self.keys[i];
         self.map(i)
             .find(self.hashes[i], |s| s.key.as_ref() == key)
-            .filter(|s| s.limit == *limit)
+            .filter(|s| *s.limit == *limit)
             .map(|s| &s.state)
     }
 
     /// The slot of key `i`, created (or reset, if built for another limit) as needed,
     /// with `last_seen` set to `now`.
-    pub fn slot_mut(&mut self, i: usize, limit: &Limit, now: Nanos) -> &mut Slot {
+    pub fn slot_mut(&mut self, i: usize, limit: &Arc<Limit>, now: Nanos) -> &mut Slot {
         let key = self.keys[i];
         let hash = self.hashes[i];
         let table = self.table;
         let map = &mut self.guards[self.guard_of[i]].as_mut().expect("guard locked").1;
-        if map.find(hash, |s| s.key.as_ref() == key).is_none() {
-            if map.len() >= table.max_per_shard {
-                table.make_room(map, now);
-            }
-            map.insert_unique(
-                hash,
-                Slot {
-                    hash,
+        let rehash = |s: &Slot| s.key.as_ref().hash_with(&table.hasher);
+        let slot = match map.entry(hash, |s| s.key.as_ref() == key, rehash) {
+            Entry::Occupied(o) => o.into_mut(),
+            Entry::Vacant(v) => {
+                let fresh = Slot {
                     key: key.to_owned_key(),
-                    limit: *limit,
+                    limit: Arc::clone(limit),
                     last_seen: now,
                     state: LimitState::Fresh,
-                },
-                |s| s.hash,
-            );
-            table.keys.fetch_add(1, Ordering::Relaxed);
-        }
-        let slot = map.find_mut(hash, |s| s.key.as_ref() == key).expect("just ensured");
-        if slot.limit != *limit {
-            slot.limit = *limit;
+                };
+                table.keys.fetch_add(1, Ordering::Relaxed);
+                let map = v.into_table();
+                if map.len() >= table.max_per_shard {
+                    table.make_room(map, now);
+                }
+                map.insert_unique(hash, fresh, rehash).into_mut()
+            }
+        };
+        if *slot.limit != **limit {
+            slot.limit = Arc::clone(limit);
             slot.state = LimitState::Fresh;
         }
         slot.last_seen = slot.last_seen.max(now);
@@ -296,11 +295,12 @@ mod tests {
     #[test]
     fn cap_holds_and_idle_keys_go_first() {
         let t = StateTable::new(64, 4);
-        let limit = fw(10);
+        let limit = Arc::new(fw(10));
         let names: Vec<String> = (0..1_000).map(|i| format!("k{i}")).collect();
         for (n, name) in names.iter().enumerate() {
             let k = LimitKeyRef::new(Scope::Key, "t", "/r", name);
-            let mut l = t.lock(&[k]);
+            let keys = [k];
+            let mut l = t.lock(&keys);
             let slot = l.slot_mut(0, &limit, n as u64 % 1_000);
             limit.charge(&mut slot.state, n as u64 % 1_000, 1);
         }
@@ -317,20 +317,26 @@ mod tests {
     fn a_changed_limit_resets_the_state() {
         let t = StateTable::new(16, 1);
         let k = LimitKeyRef::new(Scope::Tenant, "a", "", "");
-        let a = fw(5);
-        let b = Limit::TokenBucket(TokenBucket::new(
+        let a = Arc::new(fw(5));
+        let b = Arc::new(Limit::TokenBucket(TokenBucket::new(
             "5/s".parse().unwrap(),
             NonZeroU64::new(5).unwrap(),
-        ));
+        )));
+        let keys = [k];
         {
-            let mut l = t.lock(&[k]);
+            let mut l = t.lock(&keys);
             let slot = l.slot_mut(0, &a, 0);
             a.charge(&mut slot.state, 0, 5);
             assert!(l.get(0, &a).is_some());
             assert!(l.get(0, &b).is_none());
         }
-        let mut l = t.lock(&[k]);
+        let mut l = t.lock(&keys);
         assert_eq!(b.remaining(&l.slot_mut(0, &b, 0).state, 0), 5);
+    }
+
+    #[test]
+    fn a_slot_is_80_bytes() {
+        assert_eq!(size_of::<Slot>(), 80);
     }
 
     #[test]

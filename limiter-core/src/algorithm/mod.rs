@@ -92,9 +92,21 @@ pub trait Algorithm {
     }
 }
 
-/// Ceiling of `a / b` for `b > 0`.
+/// `a / b` for `b > 0`, on the cheap 64-bit divider when both fit (the common case:
+/// a 128-bit division is a library call several times slower).
+pub(crate) fn div_u128(a: u128, b: u128) -> u128 {
+    match (u64::try_from(a), u64::try_from(b)) {
+        (Ok(a), Ok(b)) => u128::from(a / b),
+        _ => a / b,
+    }
+}
+
+/// Ceiling of `a / b` for `b > 0`, like [`div_u128`].
 pub(crate) fn div_ceil_u128(a: u128, b: u128) -> u128 {
-    a.div_ceil(b)
+    match (u64::try_from(a), u64::try_from(b)) {
+        (Ok(a), Ok(b)) => u128::from(a.div_ceil(b)),
+        _ => a.div_ceil(b),
+    }
 }
 
 /// Narrows to `u64`, saturating (every caller's true value fits; this only guards

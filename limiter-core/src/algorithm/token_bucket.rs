@@ -6,7 +6,7 @@
 
 use std::num::NonZeroU64;
 
-use super::{Algorithm, div_ceil_u128, sat_u64};
+use super::{Algorithm, div_ceil_u128, div_u128, sat_u64};
 use crate::clock::Nanos;
 use crate::rate::Rate;
 
@@ -21,7 +21,20 @@ pub struct TokenBucket {
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct TokenBucketState {
     /// Scaled time at which the bucket is full again; at or before now means full.
-    tat: u128,
+    /// A `u128` kept as two words so the state needs only 8-byte alignment (a
+    /// smaller slot in the state table).
+    tat: [u64; 2],
+}
+
+impl TokenBucketState {
+    fn tat(&self) -> u128 {
+        (u128::from(self.tat[0]) << 64) | u128::from(self.tat[1])
+    }
+
+    #[allow(clippy::cast_possible_truncation)] // splitting into words is the intent
+    fn set_tat(&mut self, tat: u128) {
+        self.tat = [(tat >> 64) as u64, tat as u64];
+    }
 }
 
 impl TokenBucket {
@@ -54,7 +67,7 @@ impl TokenBucket {
     }
     /// Scaled time the bucket's current contents are "spent" ahead of now.
     fn used(&self, state: &TokenBucketState, now: Nanos) -> u128 {
-        state.tat.saturating_sub(self.scaled(now))
+        state.tat().saturating_sub(self.scaled(now))
     }
 }
 
@@ -66,7 +79,10 @@ impl Algorithm for TokenBucket {
     }
 
     fn remaining(&self, state: &Self::State, now: Nanos) -> u64 {
-        sat_u64(self.capacity_scaled().saturating_sub(self.used(state, now)) / self.period())
+        sat_u64(div_u128(
+            self.capacity_scaled().saturating_sub(self.used(state, now)),
+            self.period(),
+        ))
     }
 
     fn retry_after(&self, state: &Self::State, now: Nanos, cost: u64) -> Nanos {
@@ -83,18 +99,19 @@ impl Algorithm for TokenBucket {
     }
 
     fn charge(&self, state: &mut Self::State, now: Nanos, cost: u64) {
-        let base = state.tat.max(self.scaled(now));
-        state.tat = base.saturating_add(u128::from(cost) * self.period());
+        let base = state.tat().max(self.scaled(now));
+        state.set_tat(base.saturating_add(u128::from(cost) * self.period()));
     }
 
     fn refund(&self, state: &mut Self::State, now: Nanos, _granted_at: Nanos, units: u64) {
         // Tokens are fungible: give them back, but never beyond a full bucket.
         let back = u128::from(units) * self.period();
-        state.tat = state.tat.saturating_sub(back).max(self.scaled(now).min(state.tat));
+        let tat = state.tat();
+        state.set_tat(tat.saturating_sub(back).max(self.scaled(now).min(tat)));
     }
 
     fn is_idle(&self, state: &Self::State, now: Nanos) -> bool {
-        state.tat <= self.scaled(now)
+        state.tat() <= self.scaled(now)
     }
 }
 

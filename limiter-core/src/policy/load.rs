@@ -4,6 +4,7 @@
 use std::collections::HashMap;
 use std::fmt;
 use std::num::NonZeroU64;
+use std::sync::Arc;
 
 use super::tree::{self, Key, Node, Pos, Value};
 use super::{
@@ -546,7 +547,9 @@ impl Cx<'_> {
                 })
             }
         };
-        let rule = limit.zip(name).map(|(limit, name)| LimitRule { limit, name: name.into() });
+        let rule = limit
+            .zip(name)
+            .map(|(limit, name)| LimitRule { limit: Arc::new(limit), name: name.into() });
         (rule, Some(f))
     }
 

@@ -9,6 +9,7 @@ pub mod tree;
 
 use std::collections::HashMap;
 use std::num::NonZeroU64;
+use std::sync::Arc;
 
 use crate::algorithm::Algorithm;
 use crate::clock::Nanos;
@@ -26,8 +27,8 @@ type Map<V> = HashMap<Box<str>, V, ahash::RandomState>;
 /// A named limit of the policy.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct LimitRule {
-    /// The limit.
-    pub limit: Limit,
+    /// The limit (shared with the state table's slots).
+    pub limit: Arc<Limit>,
     /// The name reported in `RateLimit-Policy` headers and the admin port.
     pub name: Box<str>,
 }
@@ -201,7 +202,9 @@ pub struct Level<'a> {
 /// first, and how to treat it.
 #[derive(Debug, Clone, Copy)]
 pub struct Chain<'a> {
-    levels: [Option<Level<'a>>; MAX_LEVELS],
+    /// The counters, outermost first (kept apart so the table can lock them as is).
+    keys: [LimitKeyRef<'a>; MAX_LEVELS],
+    rules: [Option<(Scope, &'a LimitRule)>; MAX_LEVELS],
     len: usize,
     /// Units to charge (zero only for a dry run).
     pub cost: u64,
@@ -217,22 +220,22 @@ pub struct Chain<'a> {
 
 impl<'a> Chain<'a> {
     /// The levels, outermost first.
-    pub fn levels(&self) -> impl ExactSizeIterator<Item = &Level<'a>> + '_ {
-        self.levels[..self.len].iter().map(|l| l.as_ref().expect("levels below len are set"))
+    pub fn levels(&self) -> impl ExactSizeIterator<Item = Level<'a>> + '_ {
+        self.rules[..self.len].iter().zip(&self.keys).map(|(r, &key)| {
+            let (scope, rule) = r.expect("levels below len are set");
+            Level { scope, rule, key }
+        })
     }
 
     /// The counters of the levels, outermost first.
-    pub fn keys(&self) -> ([LimitKeyRef<'a>; MAX_LEVELS], usize) {
-        let mut keys = [LimitKeyRef::GLOBAL; MAX_LEVELS];
-        for (k, l) in keys.iter_mut().zip(self.levels()) {
-            *k = l.key;
-        }
-        (keys, self.len)
+    pub fn keys(&self) -> &[LimitKeyRef<'a>] {
+        &self.keys[..self.len]
     }
 
     fn push(&mut self, scope: Scope, rule: Option<&'a LimitRule>, key: LimitKeyRef<'a>) {
         if let Some(rule) = rule {
-            self.levels[self.len] = Some(Level { scope, rule, key });
+            self.rules[self.len] = Some((scope, rule));
+            self.keys[self.len] = key;
             self.len += 1;
         }
     }
@@ -294,7 +297,8 @@ impl Policy {
             None => tenant_route.and_then(|tr| tr.cost).unwrap_or(route.cost).get(),
         };
         let mut chain = Chain {
-            levels: [None; MAX_LEVELS],
+            keys: [LimitKeyRef::GLOBAL; MAX_LEVELS],
+            rules: [None; MAX_LEVELS],
             len: 0,
             cost,
             dry_run: req.dry_run,

@@ -45,17 +45,48 @@ impl<'a> LimitKeyRef<'a> {
     }
 
     /// An owned copy.
+    ///
+    /// # Panics
+    ///
+    /// When a name is longer than [`MAX_NAME_LEN`] (requests are checked before).
     pub fn to_owned_key(&self) -> LimitKey {
-        let mut text = String::with_capacity(self.tenant.len() + self.route.len() + self.key.len());
-        text.push_str(self.tenant);
-        text.push_str(self.route);
-        text.push_str(self.key);
-        LimitKey {
-            scope: self.scope,
-            tenant_len: u32::try_from(self.tenant.len()).unwrap_or(u32::MAX),
-            route_len: u32::try_from(self.route.len()).unwrap_or(u32::MAX),
-            text: text.into_boxed_str(),
+        let len = |s: &str| u16::try_from(s.len()).ok().filter(|&l| usize::from(l) <= MAX_NAME_LEN);
+        let (t, r, k) = (len(self.tenant), len(self.route), len(self.key));
+        let (Some(tenant_len), Some(route_len), Some(key_len)) = (t, r, k) else {
+            panic!("limit key names are at most {MAX_NAME_LEN} bytes");
+        };
+        let total = self.tenant.len() + self.route.len() + self.key.len();
+        let text = if total <= INLINE {
+            let mut buf = [0u8; INLINE];
+            buf[..self.tenant.len()].copy_from_slice(self.tenant.as_bytes());
+            buf[self.tenant.len()..][..self.route.len()].copy_from_slice(self.route.as_bytes());
+            buf[self.tenant.len() + self.route.len()..total].copy_from_slice(self.key.as_bytes());
+            Text::Inline(buf)
+        } else {
+            let mut v = Vec::with_capacity(total);
+            v.extend_from_slice(self.tenant.as_bytes());
+            v.extend_from_slice(self.route.as_bytes());
+            v.extend_from_slice(self.key.as_bytes());
+            Text::Heap(v.into_boxed_slice())
+        };
+        LimitKey { scope: self.scope, tenant_len, route_len, key_len, text }
+    }
+
+    /// True when `owned` is this key (without building a borrowed view of it).
+    #[inline]
+    pub fn matches(&self, owned: &LimitKey) -> bool {
+        if self.scope != owned.scope
+            || self.tenant.len() != usize::from(owned.tenant_len)
+            || self.route.len() != usize::from(owned.route_len)
+            || self.key.len() != usize::from(owned.key_len)
+        {
+            return false;
         }
+        let b = owned.bytes();
+        let (t, r) = (self.tenant.len(), self.route.len());
+        b[..t] == *self.tenant.as_bytes()
+            && b[t..t + r] == *self.route.as_bytes()
+            && b[t + r..] == *self.key.as_bytes()
     }
 }
 
@@ -98,31 +129,63 @@ impl fmt::Display for LimitKeyRef<'_> {
     }
 }
 
-/// An owned limit key: one allocation holding the names back to back.
+/// The longest name a limit key holds, in bytes; requests are checked against a
+/// configurable bound at most this large.
+pub const MAX_NAME_LEN: usize = 4_096;
+
+/// Names up to this many bytes in all are stored inside the key, with no allocation
+/// and no pointer to follow on lookup.
+const INLINE: usize = 22;
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Text {
+    Inline([u8; INLINE]),
+    Heap(Box<[u8]>),
+}
+
+/// An owned limit key: 32 bytes, the names inline when short, else in one allocation.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct LimitKey {
     scope: Scope,
-    tenant_len: u32,
-    route_len: u32,
-    text: Box<str>,
+    tenant_len: u16,
+    route_len: u16,
+    key_len: u16,
+    text: Text,
 }
 
 impl LimitKey {
+    fn bytes(&self) -> &[u8] {
+        let total =
+            usize::from(self.tenant_len) + usize::from(self.route_len) + usize::from(self.key_len);
+        match &self.text {
+            Text::Inline(b) => &b[..total],
+            Text::Heap(b) => b,
+        }
+    }
+
     /// The borrowed view (same hash, same equality).
     pub fn as_ref(&self) -> LimitKeyRef<'_> {
-        let t = self.tenant_len as usize;
-        let r = t + self.route_len as usize;
+        let b = self.bytes();
+        let t = usize::from(self.tenant_len);
+        let r = t + usize::from(self.route_len);
+        // The bytes were copied from `&str`s split at these same boundaries.
+        fn part(p: &[u8]) -> &str {
+            std::str::from_utf8(p).expect("key parts are UTF-8")
+        }
         LimitKeyRef {
             scope: self.scope,
-            tenant: &self.text[..t],
-            route: &self.text[t..r],
-            key: &self.text[r..],
+            tenant: part(&b[..t]),
+            route: part(&b[t..r]),
+            key: part(&b[r..]),
         }
     }
 
     /// Heap bytes held by this key.
     pub fn heap_bytes(&self) -> usize {
-        self.text.len()
+        match &self.text {
+            Text::Inline(_) => 0,
+            Text::Heap(b) => b.len(),
+        }
     }
 }
 
@@ -156,5 +219,14 @@ mod tests {
         let b = LimitKeyRef::new(Scope::TenantRoute, "a", "bc", "");
         assert_ne!(a, b);
         assert_ne!(a.to_owned_key(), b.to_owned_key());
+        assert!(!a.matches(&b.to_owned_key()));
+        assert!(a.matches(&a.to_owned_key()));
+        assert_eq!(size_of::<LimitKey>(), 32);
+        // Long names go to the heap and still agree.
+        let long = "x".repeat(100);
+        let l = LimitKeyRef::new(Scope::Key, "acme", "/r", &long);
+        let lo = l.to_owned_key();
+        assert!(lo.heap_bytes() > 0 && l.matches(&lo) && lo.as_ref() == l);
+        assert_eq!(k.to_owned_key().heap_bytes(), 0);
     }
 }

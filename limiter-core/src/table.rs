@@ -124,6 +124,7 @@ impl StateTable {
     /// # Panics
     ///
     /// When given more than [`MAX_LEVELS`] keys.
+    #[inline]
     pub fn lock<'t, 'k>(&'t self, keys: &'k [LimitKeyRef<'k>]) -> Locked<'t, 'k> {
         assert!(keys.len() <= MAX_LEVELS, "at most {MAX_LEVELS} levels");
         let mut locked = Locked {
@@ -145,11 +146,11 @@ impl StateTable {
         let mut g = 0;
         for &(shard, i) in order.iter() {
             if shard != last_shard {
-                locked.guards[g] = Some((shard, self.shards[shard].0.lock()));
+                locked.guards[g] = Some(self.shards[shard].0.lock());
                 last_shard = shard;
                 g += 1;
             }
-            locked.guard_of[i] = g - 1;
+            locked.guard_of[i] = (g - 1) as u8; // g <= MAX_LEVELS
         }
         locked
     }
@@ -215,8 +216,8 @@ pub struct Locked<'t, 'k> {
     table: &'t StateTable,
     keys: &'k [LimitKeyRef<'k>],
     hashes: [u64; MAX_LEVELS],
-    guard_of: [usize; MAX_LEVELS],
-    guards: [Option<(usize, MutexGuard<'t, HashTable<Slot>>)>; MAX_LEVELS],
+    guard_of: [u8; MAX_LEVELS],
+    guards: [Option<MutexGuard<'t, HashTable<Slot>>>; MAX_LEVELS],
 }
 
 impl Locked<'_, '_> {
@@ -231,28 +232,30 @@ impl Locked<'_, '_> {
     }
 
     fn map(&self, i: usize) -> &HashTable<Slot> {
-        &self.guards[self.guard_of[i]].as_ref().expect("guard locked for every key").1
+        self.guards[usize::from(self.guard_of[i])].as_ref().expect("guard locked for every key")
     }
 
     /// The state of key `i` for `limit`; `None` when the key has no state (or state
     /// for another limit), which reads as a fresh allowance.
+    #[inline]
     pub fn get(&self, i: usize, limit: &Limit) -> Option<&LimitState> {
         let key = self.keys[i];
         self.map(i)
-            .find(self.hashes[i], |s| s.key.as_ref() == key)
+            .find(self.hashes[i], |s| key.matches(&s.key))
             .filter(|s| *s.limit == *limit)
             .map(|s| &s.state)
     }
 
     /// The slot of key `i`, created (or reset, if built for another limit) as needed,
     /// with `last_seen` set to `now`.
+    #[inline]
     pub fn slot_mut(&mut self, i: usize, limit: &Arc<Limit>, now: Nanos) -> &mut Slot {
         let key = self.keys[i];
         let hash = self.hashes[i];
         let table = self.table;
-        let map = &mut self.guards[self.guard_of[i]].as_mut().expect("guard locked").1;
+        let map = self.guards[usize::from(self.guard_of[i])].as_mut().expect("guard locked");
         let rehash = |s: &Slot| s.key.as_ref().hash_with(&table.hasher);
-        let slot = match map.entry(hash, |s| s.key.as_ref() == key, rehash) {
+        let slot = match map.entry(hash, |s| key.matches(&s.key), rehash) {
             Entry::Occupied(o) => o.into_mut(),
             Entry::Vacant(v) => {
                 let fresh = Slot {

@@ -15,7 +15,7 @@ use crate::algorithm::Algorithm;
 use crate::clock::Nanos;
 use crate::decision::Scope;
 use crate::error::RequestError;
-use crate::key::LimitKeyRef;
+use crate::key::{LimitKeyRef, MAX_NAME_LEN};
 use crate::limit::Limit;
 use crate::rate::Rate;
 use crate::table::MAX_LEVELS;
@@ -107,7 +107,8 @@ pub enum UnknownTenants {
     Reject,
 }
 
-/// Bounds on request names, from the server's configuration.
+/// Bounds on request names, from the server's configuration (each at most
+/// [`MAX_NAME_LEN`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct NameBounds {
     /// Longest tenant name, in bytes.
@@ -242,6 +243,7 @@ impl<'a> Chain<'a> {
 }
 
 fn check_name(field: &'static str, name: &str, max: usize) -> Result<(), RequestError> {
+    let max = max.min(MAX_NAME_LEN);
     if name.is_empty() {
         return Err(RequestError::EmptyName { field });
     }

@@ -22,7 +22,8 @@ use crate::table::MAX_LEVELS;
 
 pub use load::{PolicyError, PolicyErrors, from_yaml};
 
-type Map<V> = HashMap<Box<str>, V, ahash::RandomState>;
+/// The maps of a policy: names to settings.
+pub type Map<V> = HashMap<Box<str>, V, ahash::RandomState>;
 
 /// A named limit of the policy.
 #[derive(Debug, Clone, PartialEq, Eq)]

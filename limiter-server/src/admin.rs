@@ -1,0 +1,71 @@
+//! The admin HTTP port: `/metrics` (Prometheus), `/healthz` (liveness), `/readyz`
+//! (readiness: policy loaded and not draining) and `/policy` (the active policy).
+
+use std::sync::Arc;
+
+use axum::Router;
+use axum::extract::State;
+use axum::http::{StatusCode, header};
+use axum::response::IntoResponse;
+use axum::routing::get;
+use limiter_core::clock::NANOS_PER_SEC;
+use serde_json::json;
+
+use crate::metrics;
+use crate::owner::Owner;
+
+/// The admin router over `owner`.
+pub fn router(owner: Arc<Owner>) -> Router {
+    Router::new()
+        .route("/metrics", get(render_metrics))
+        .route("/healthz", get(|| async { "ok\n" }))
+        .route("/readyz", get(ready))
+        .route("/policy", get(policy))
+        .with_state(owner)
+}
+
+async fn render_metrics(State(owner): State<Arc<Owner>>) -> impl IntoResponse {
+    owner.sweep_stats();
+    let handle = metrics::handle();
+    handle.run_upkeep();
+    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], handle.render())
+}
+
+async fn ready(State(owner): State<Arc<Owner>>) -> impl IntoResponse {
+    if owner.is_ready() {
+        (StatusCode::OK, "ready\n")
+    } else {
+        (StatusCode::SERVICE_UNAVAILABLE, "not ready\n")
+    }
+}
+
+async fn policy(State(owner): State<Arc<Owner>>) -> impl IntoResponse {
+    let active = owner.policies().current();
+    let status = owner.policies().status();
+    let now = owner.clock().now();
+    let p = &active.policy;
+    let mut routes: Vec<&str> = p.routes.keys().map(AsRef::as_ref).collect();
+    routes.sort_unstable();
+    let body = json!({
+        "version": active.version,
+        "file": owner.policies().path().display().to_string(),
+        "loaded_at_unix_seconds": active.loaded_at / NANOS_PER_SEC,
+        "seconds_since_load": now.saturating_sub(active.loaded_at) / NANOS_PER_SEC,
+        "digest": format!("{:016x}", active.digest),
+        "summary": {
+            "global_ceiling": p.global.as_ref().map(|g| g.limit.to_string()),
+            "routes": routes,
+            "tenants": p.tenants.len(),
+            "default_tenant": p.default_tenant.is_some(),
+            "unknown_tenants": format!("{:?}", p.unknown_tenants).to_lowercase(),
+            "shadow": p.shadow,
+        },
+        "reloads": {
+            "ok": status.reloads,
+            "failed": status.failures,
+            "last_error": status.last_error,
+            "seconds_since_last_failure": status.last_failure_at.map(|t| now.saturating_sub(t) / NANOS_PER_SEC),
+        },
+    });
+    ([(header::CONTENT_TYPE, "application/json")], body.to_string())
+}

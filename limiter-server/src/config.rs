@@ -1,0 +1,379 @@
+//! The server's configuration, in two stages: the `config` crate layers defaults, an
+//! optional YAML file and `LIMITER__*` environment variables into a raw struct (unknown
+//! fields refused); `TryFrom` then checks every value and reports all problems at once.
+//!
+//! Environment variables name nested fields with `__`: `LIMITER__LISTEN=0.0.0.0:50051`,
+//! `LIMITER__STORE__MAX_KEYS=2000000`.
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use limiter_core::key::MAX_NAME_LEN;
+use limiter_core::policy::NameBounds;
+use serde::Deserialize;
+
+/// Exit status for bad configuration (`EX_CONFIG`... `EX_USAGE` in sysexits: 64).
+pub const EXIT_BAD_CONFIG: i32 = 64;
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Raw {
+    listen: String,
+    admin_listen: String,
+    policy_file: Option<String>,
+    store: RawStore,
+    limits: RawLimits,
+    envoy: RawEnvoy,
+    reload: RawReload,
+    shutdown: RawShutdown,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawStore {
+    kind: String,
+    max_keys: i64,
+    sweep_interval_ms: i64,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawLimits {
+    max_tenant_len: i64,
+    max_route_len: i64,
+    max_key_len: i64,
+    max_batch: i64,
+    max_descriptors: i64,
+    max_message_bytes: i64,
+    max_open_tickets: i64,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawEnvoy {
+    tenant_from: String,
+    tenant_key: String,
+    route_key: String,
+    default_route: Option<String>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawReload {
+    poll_interval_ms: i64,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawShutdown {
+    drain_delay_ms: i64,
+    grace_ms: i64,
+}
+
+const DEFAULTS: &str = r#"
+listen: "127.0.0.1:50051"
+admin_listen: "127.0.0.1:9090"
+store:
+  kind: memory
+  max_keys: 1000000
+  sweep_interval_ms: 10000
+limits:
+  max_tenant_len: 128
+  max_route_len: 256
+  max_key_len: 256
+  max_batch: 100
+  max_descriptors: 16
+  max_message_bytes: 65536
+  max_open_tickets: 100000
+envoy:
+  tenant_from: domain
+  tenant_key: tenant
+  route_key: route
+reload:
+  poll_interval_ms: 1000
+shutdown:
+  drain_delay_ms: 2000
+  grace_ms: 10000
+"#;
+
+/// Where a Envoy request's tenant comes from.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum TenantFrom {
+    /// The request's `domain`.
+    Domain,
+    /// The descriptor entry with this key.
+    Entry(String),
+}
+
+/// How `ShouldRateLimit` descriptors map onto tenant, route and key.
+///
+/// - tenant: the request's `domain` (default), or a descriptor entry's value;
+/// - route: the value of the entry whose key is `route_key` (default `route`), else
+///   `default_route` when set, else the descriptor is refused;
+/// - key: every other entry, as `key=value` joined by `|`, in order (none: no key).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct EnvoyMapping {
+    /// Tenant source.
+    pub tenant_from: TenantFrom,
+    /// The entry key naming the route.
+    pub route_key: String,
+    /// The route of descriptors without a route entry.
+    pub default_route: Option<String>,
+}
+
+/// Bounds on what callers may send.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Limits {
+    /// Name lengths.
+    pub names: NameBounds,
+    /// Requests in one `ShouldAllowBatch`.
+    pub max_batch: usize,
+    /// Descriptors in one `ShouldRateLimit`.
+    pub max_descriptors: usize,
+    /// Largest decoded gRPC message.
+    pub max_message_bytes: usize,
+    /// Tickets of check-now-charge-later requests not yet reported.
+    pub max_open_tickets: usize,
+}
+
+/// The validated configuration.
+#[derive(Debug, Clone)]
+pub struct ServerConfig {
+    /// gRPC listen address.
+    pub listen: SocketAddr,
+    /// Admin HTTP listen address.
+    pub admin_listen: SocketAddr,
+    /// The policy file.
+    pub policy_file: PathBuf,
+    /// Most counters held in memory.
+    pub max_keys: usize,
+    /// How often idle counters are swept.
+    pub sweep_interval: Duration,
+    /// Caller bounds.
+    pub limits: Limits,
+    /// Envoy descriptor mapping.
+    pub envoy: EnvoyMapping,
+    /// Fallback poll of the policy file (file events are the main trigger).
+    pub reload_poll: Duration,
+    /// After SIGTERM: readiness is false for this long before the listener closes.
+    pub drain_delay: Duration,
+    /// Then in-flight calls get this long to finish.
+    pub grace: Duration,
+}
+
+/// Every problem found in the configuration.
+#[derive(Debug, thiserror::Error)]
+#[error("invalid server configuration:\n  {}", .0.join("\n  "))]
+pub struct ConfigError(pub Vec<String>);
+
+impl ServerConfig {
+    /// Defaults, then `file` (YAML) if given, then `LIMITER__*` variables.
+    ///
+    /// # Errors
+    ///
+    /// Unreadable or malformed sources, unknown fields, and every invalid value.
+    pub fn load(file: Option<&Path>) -> Result<Self, ConfigError> {
+        Self::load_with_env(file, std::env::vars())
+    }
+
+    /// Like [`Self::load`] with an explicit environment (tests).
+    ///
+    /// # Errors
+    ///
+    /// As [`Self::load`].
+    pub fn load_with_env(
+        file: Option<&Path>,
+        env: impl IntoIterator<Item = (String, String)>,
+    ) -> Result<Self, ConfigError> {
+        let env: config::Map<String, String> =
+            env.into_iter().filter(|(k, _)| k.starts_with("LIMITER__")).collect();
+        let mut b = config::Config::builder()
+            .add_source(config::File::from_str(DEFAULTS, config::FileFormat::Yaml));
+        if let Some(f) = file {
+            b = b.add_source(config::File::from(f).format(config::FileFormat::Yaml));
+        }
+        b = b.add_source(
+            config::Environment::with_prefix("LIMITER")
+                .prefix_separator("__")
+                .separator("__")
+                .try_parsing(true)
+                .source(Some(env)),
+        );
+        let raw: Raw = b
+            .build()
+            .and_then(config::Config::try_deserialize)
+            .map_err(|e| ConfigError(vec![e.to_string()]))?;
+        Self::try_from(raw)
+    }
+}
+
+fn positive(errors: &mut Vec<String>, name: &str, v: i64, max: i64) -> usize {
+    if v <= 0 || v > max {
+        errors.push(format!("{name}: must be between 1 and {max}, found {v}"));
+        return 1;
+    }
+    usize::try_from(v).unwrap_or(1)
+}
+
+fn millis(errors: &mut Vec<String>, name: &str, v: i64, allow_zero: bool) -> Duration {
+    if v < 0 || (v == 0 && !allow_zero) {
+        errors.push(format!(
+            "{name}: must be {} milliseconds, found {v}",
+            if allow_zero { "0 or more" } else { "at least 1" }
+        ));
+        return Duration::from_millis(1);
+    }
+    Duration::from_millis(u64::try_from(v).unwrap_or(0))
+}
+
+impl TryFrom<Raw> for ServerConfig {
+    type Error = ConfigError;
+
+    fn try_from(raw: Raw) -> Result<Self, ConfigError> {
+        let mut errors = Vec::new();
+        let mut addr = |name: &str, v: &str| match v.parse::<SocketAddr>() {
+            Ok(a) => Some(a),
+            Err(e) => {
+                errors.push(format!("{name}: `{v}` is not an address like 127.0.0.1:50051 ({e})"));
+                None
+            }
+        };
+        let listen = addr("listen", &raw.listen);
+        let admin_listen = addr("admin_listen", &raw.admin_listen);
+        let policy_file = match raw.policy_file {
+            Some(p) if !p.trim().is_empty() => PathBuf::from(p),
+            _ => {
+                errors.push("policy_file: required (the tenant policy YAML)".to_owned());
+                PathBuf::new()
+            }
+        };
+        if raw.store.kind != "memory" {
+            errors.push(format!(
+                "store.kind: `{}` is not supported; expected `memory`",
+                raw.store.kind
+            ));
+        }
+        let max_keys = positive(&mut errors, "store.max_keys", raw.store.max_keys, 1 << 40);
+        let sweep_interval =
+            millis(&mut errors, "store.sweep_interval_ms", raw.store.sweep_interval_ms, false);
+        let name_max = i64::try_from(MAX_NAME_LEN).unwrap_or(i64::MAX);
+        let l = &raw.limits;
+        let limits = Limits {
+            names: NameBounds {
+                tenant: positive(&mut errors, "limits.max_tenant_len", l.max_tenant_len, name_max),
+                route: positive(&mut errors, "limits.max_route_len", l.max_route_len, name_max),
+                key: positive(&mut errors, "limits.max_key_len", l.max_key_len, name_max),
+            },
+            max_batch: positive(&mut errors, "limits.max_batch", l.max_batch, 10_000),
+            max_descriptors: positive(
+                &mut errors,
+                "limits.max_descriptors",
+                l.max_descriptors,
+                1_000,
+            ),
+            max_message_bytes: positive(
+                &mut errors,
+                "limits.max_message_bytes",
+                l.max_message_bytes,
+                64 << 20,
+            ),
+            max_open_tickets: positive(
+                &mut errors,
+                "limits.max_open_tickets",
+                l.max_open_tickets,
+                100_000_000,
+            ),
+        };
+        let tenant_from = match raw.envoy.tenant_from.as_str() {
+            "domain" => TenantFrom::Domain,
+            "entry" if !raw.envoy.tenant_key.is_empty() => {
+                TenantFrom::Entry(raw.envoy.tenant_key.clone())
+            }
+            other => {
+                errors.push(format!("envoy.tenant_from: expected `domain` or `entry` (with envoy.tenant_key), found `{other}`"));
+                TenantFrom::Domain
+            }
+        };
+        if raw.envoy.route_key.is_empty() {
+            errors.push("envoy.route_key: must not be empty".to_owned());
+        }
+        let reload_poll =
+            millis(&mut errors, "reload.poll_interval_ms", raw.reload.poll_interval_ms, false);
+        let drain_delay =
+            millis(&mut errors, "shutdown.drain_delay_ms", raw.shutdown.drain_delay_ms, true);
+        let grace = millis(&mut errors, "shutdown.grace_ms", raw.shutdown.grace_ms, true);
+        if !errors.is_empty() {
+            return Err(ConfigError(errors));
+        }
+        Ok(Self {
+            listen: listen.expect("checked"),
+            admin_listen: admin_listen.expect("checked"),
+            policy_file,
+            max_keys,
+            sweep_interval,
+            limits,
+            envoy: EnvoyMapping {
+                tenant_from,
+                route_key: raw.envoy.route_key,
+                default_route: raw.envoy.default_route.filter(|r| !r.is_empty()),
+            },
+            reload_poll,
+            drain_delay,
+            grace,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn env(pairs: &[(&str, &str)]) -> Vec<(String, String)> {
+        pairs.iter().map(|(k, v)| ((*k).to_owned(), (*v).to_owned())).collect()
+    }
+
+    #[test]
+    fn defaults_and_environment_overrides() {
+        let c = ServerConfig::load_with_env(
+            None,
+            env(&[
+                ("LIMITER__POLICY_FILE", "p.yaml"),
+                ("LIMITER__STORE__MAX_KEYS", "42"),
+                ("LIMITER__LIMITS__MAX_BATCH", "7"),
+                ("OTHER", "x"),
+            ]),
+        )
+        .unwrap();
+        assert_eq!(c.max_keys, 42);
+        assert_eq!(c.limits.max_batch, 7);
+        assert_eq!(c.policy_file, PathBuf::from("p.yaml"));
+        assert_eq!(c.listen, "127.0.0.1:50051".parse().unwrap());
+    }
+
+    #[test]
+    fn every_bad_value_is_reported_at_once() {
+        let e = ServerConfig::load_with_env(
+            None,
+            env(&[
+                ("LIMITER__LISTEN", "nowhere"),
+                ("LIMITER__STORE__MAX_KEYS", "0"),
+                ("LIMITER__ENVOY__TENANT_FROM", "header"),
+            ]),
+        )
+        .unwrap_err();
+        let text = e.to_string();
+        for needle in ["listen:", "policy_file:", "store.max_keys:", "envoy.tenant_from:"] {
+            assert!(text.contains(needle), "{needle} missing from {text}");
+        }
+    }
+
+    #[test]
+    fn unknown_fields_in_the_file_are_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let f = dir.path().join("server.yaml");
+        std::fs::write(&f, "policy_file: p.yaml\nlisten_addr: 1\n").unwrap();
+        let e = ServerConfig::load_with_env(Some(&f), Vec::new()).unwrap_err();
+        assert!(e.to_string().contains("listen_addr"), "{e}");
+    }
+}

@@ -1,0 +1,116 @@
+//! Conversions between the wire types of `limiter.v1` and limiter-core's types.
+
+use limiter_core::clock::{NANOS_PER_SEC, Nanos};
+use limiter_core::policy::Request;
+use limiter_core::{AlgorithmKind, Decision, Limit, Reason, Scope};
+use limiter_proto::limiter::v1 as pb;
+
+use crate::owner::Outcome;
+
+/// A wire duration from nanoseconds.
+pub fn duration(nanos: Nanos) -> prost_types::Duration {
+    prost_types::Duration {
+        seconds: i64::try_from(nanos / NANOS_PER_SEC).unwrap_or(i64::MAX),
+        // Below 10^9: fits.
+        nanos: i32::try_from(nanos % NANOS_PER_SEC).unwrap_or(0),
+    }
+}
+
+/// The core request of a wire request (an empty key is no key).
+pub fn request(r: &pb::ShouldAllowRequest) -> Request<'_> {
+    Request {
+        tenant: &r.tenant,
+        route: &r.route,
+        key: (!r.key.is_empty()).then_some(r.key.as_str()),
+        cost: r.cost,
+        dry_run: r.dry_run,
+    }
+}
+
+/// The wire reason.
+pub fn reason(r: Reason) -> pb::Reason {
+    match r {
+        Reason::GlobalCeiling => pb::Reason::GlobalCeiling,
+        Reason::RouteLimit => pb::Reason::RouteLimit,
+        Reason::TenantLimit => pb::Reason::TenantLimit,
+        Reason::TenantRouteLimit => pb::Reason::TenantRouteLimit,
+        Reason::KeyLimit => pb::Reason::KeyLimit,
+        Reason::EmergencyCeiling => pb::Reason::EmergencyCeiling,
+        Reason::LimiterUnavailable => pb::Reason::LimiterUnavailable,
+        Reason::UnknownTenant => pb::Reason::UnknownTenant,
+    }
+}
+
+/// The wire scope.
+pub fn scope(s: Scope) -> pb::Scope {
+    match s {
+        Scope::Global => pb::Scope::Global,
+        Scope::Route => pb::Scope::Route,
+        Scope::Tenant => pb::Scope::Tenant,
+        Scope::TenantRoute => pb::Scope::TenantRoute,
+        Scope::Key => pb::Scope::Key,
+    }
+}
+
+/// The wire algorithm.
+pub fn algorithm(k: AlgorithmKind) -> pb::Algorithm {
+    match k {
+        AlgorithmKind::TokenBucket => pb::Algorithm::TokenBucket,
+        AlgorithmKind::FixedWindow => pb::Algorithm::FixedWindow,
+        AlgorithmKind::SlidingLog => pb::Algorithm::SlidingLog,
+        AlgorithmKind::SlidingCounter => pb::Algorithm::SlidingCounter,
+    }
+}
+
+/// The wire limit.
+pub fn limit(l: &Limit, name: Option<&str>) -> pb::Limit {
+    let (quota, window) = l.quota();
+    pb::Limit {
+        name: name.unwrap_or_default().to_owned(),
+        algorithm: algorithm(l.kind()).into(),
+        quota,
+        window: Some(duration(window)),
+    }
+}
+
+/// The wire response of a decided request.
+pub fn response(o: &Outcome) -> pb::ShouldAllowResponse {
+    let mut r = pb::ShouldAllowResponse {
+        allowed: o.verdict.admitted(),
+        policy_version: o.policy_version,
+        shadow: o.verdict.shadow,
+        cost: o.charged,
+        ticket: o.ticket.clone().unwrap_or_default(),
+        ..Default::default()
+    };
+    let name = o.limit_name.as_deref();
+    match o.verdict.decision {
+        Decision::Allowed { remaining, reset_after, binding } => {
+            r.remaining = remaining;
+            r.reset_after = Some(duration(reset_after));
+            if let Some(b) = binding {
+                r.scope = scope(b.scope).into();
+                r.limit = Some(limit(&b.limit, name));
+            }
+        }
+        Decision::Rejected { reason: why, scope: s, limit: l, retry_after } => {
+            r.reason = reason(why).into();
+            r.scope = scope(s).into();
+            r.limit = l.as_ref().map(|l| limit(l, name));
+            r.retry_after = Some(duration(retry_after));
+            r.reset_after = Some(duration(retry_after));
+        }
+    }
+    r
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn durations_split_into_seconds_and_nanos() {
+        let d = duration(2_500_000_001);
+        assert_eq!((d.seconds, d.nanos), (2, 500_000_001));
+    }
+}

@@ -1,0 +1,318 @@
+//! Envoy's rate limit service (v3), `ShouldRateLimit`, on the same port as ours.
+//!
+//! Mapping (configurable, see [`EnvoyMapping`]): the tenant is the request's `domain`
+//! (or a descriptor entry); the route is the value of the `route` entry (or a default
+//! route); every other entry, `key=value` joined by `|` in order, is the key. Each
+//! descriptor is one request of our API; its cost is its own `hits_addend` when set
+//! (an explicit 0 checks without charging), else the request's `hits_addend` with 0
+//! read as 1 (proto3 cannot tell unset from 0).
+//!
+//! The descriptors of one call are one HTTP request: if any is over its limit the
+//! answer is `OVER_LIMIT` and none is charged. A failure of ours is a gRPC error
+//! (`UNAVAILABLE`), never `UNKNOWN`, which Envoy would read as OK: Envoy's
+//! `failure_mode_deny` then decides.
+
+use std::fmt::Write as _;
+use std::sync::Arc;
+
+use limiter_core::clock::{NANOS_PER_SEC, Nanos};
+use limiter_core::policy::Request;
+use limiter_core::{Decision, Limit};
+use limiter_proto::envoy::config::core::v3::HeaderValue;
+use limiter_proto::envoy::extensions::common::ratelimit::v3::RateLimitDescriptor;
+use limiter_proto::envoy::service::ratelimit::v3 as rls;
+use rls::rate_limit_response::{Code, DescriptorStatus, RateLimit, rate_limit::Unit};
+use rls::rate_limit_service_server::RateLimitService;
+use tonic::{Response, Status};
+
+use crate::config::{EnvoyMapping, TenantFrom};
+use crate::convert::duration;
+use crate::error::ServerError;
+use crate::metrics::Api;
+use crate::owner::{Outcome, Owner};
+
+/// The header carrying our stable reason on an over-limit answer.
+pub const REASON_HEADER: &str = "x-ratelimit-reason";
+
+/// `envoy.service.ratelimit.v3.RateLimitService` over an [`Owner`].
+#[derive(Debug, Clone)]
+pub struct EnvoyService {
+    owner: Arc<Owner>,
+    mapping: Arc<EnvoyMapping>,
+}
+
+impl EnvoyService {
+    /// The service over `owner` with a descriptor mapping.
+    pub fn new(owner: Arc<Owner>, mapping: EnvoyMapping) -> Self {
+        Self { owner, mapping: Arc::new(mapping) }
+    }
+}
+
+/// One descriptor, mapped.
+struct Mapped<'a> {
+    tenant: &'a str,
+    route: &'a str,
+    key: Option<String>,
+    cost: u64,
+    dry_run: bool,
+}
+
+fn map<'a>(
+    m: &'a EnvoyMapping,
+    domain: &'a str,
+    index: usize,
+    d: &'a RateLimitDescriptor,
+    request_hits: u32,
+) -> Result<Mapped<'a>, ServerError> {
+    let field = "descriptors";
+    if d.entries.is_empty() {
+        return Err(ServerError::invalid(field, format!("[{index}] has no entries")));
+    }
+    let entry = |name: &str| d.entries.iter().find(|e| e.key == name).map(|e| e.value.as_str());
+    let (tenant, tenant_key) = match &m.tenant_from {
+        TenantFrom::Domain => {
+            if domain.is_empty() {
+                return Err(ServerError::invalid("domain", "must not be empty"));
+            }
+            (domain, None)
+        }
+        TenantFrom::Entry(k) => match entry(k) {
+            Some(t) => (t, Some(k.as_str())),
+            None => {
+                return Err(ServerError::invalid(
+                    field,
+                    format!("[{index}] has no `{k}` entry (the tenant)"),
+                ));
+            }
+        },
+    };
+    let route = match (entry(&m.route_key), &m.default_route) {
+        (Some(r), _) => r,
+        (None, Some(r)) => r.as_str(),
+        (None, None) => {
+            return Err(ServerError::invalid(
+                field,
+                format!(
+                    "[{index}] has no `{}` entry (the route) and no default route is configured",
+                    m.route_key
+                ),
+            ));
+        }
+    };
+    let mut key = String::new();
+    for e in &d.entries {
+        if e.key == m.route_key || Some(e.key.as_str()) == tenant_key {
+            continue;
+        }
+        if !key.is_empty() {
+            key.push('|');
+        }
+        let _ = write!(key, "{}={}", e.key, e.value);
+    }
+    let (cost, dry_run) = match d.hits_addend {
+        Some(0) => (0, true),
+        Some(h) => (h, false),
+        None => (u64::from(request_hits.max(1)), false),
+    };
+    Ok(Mapped { tenant, route, key: (!key.is_empty()).then_some(key), cost, dry_run })
+}
+
+/// Envoy's unit and amount closest to `quota` per `window`: exact when the window is
+/// one unit, else the rate scaled to the smallest unit that gives at least one.
+fn envoy_limit(quota: u64, window: Nanos) -> (u32, Unit) {
+    const UNITS: [(Nanos, Unit); 5] = [
+        (NANOS_PER_SEC, Unit::Second),
+        (60 * NANOS_PER_SEC, Unit::Minute),
+        (3_600 * NANOS_PER_SEC, Unit::Hour),
+        (86_400 * NANOS_PER_SEC, Unit::Day),
+        (7 * 86_400 * NANOS_PER_SEC, Unit::Week),
+    ];
+    let clamp = |v: u128| u32::try_from(v).unwrap_or(u32::MAX);
+    if let Some((_, unit)) = UNITS.iter().find(|(n, _)| *n == window) {
+        return (clamp(quota.into()), *unit);
+    }
+    for (n, unit) in UNITS {
+        let per = u128::from(quota) * u128::from(n) / u128::from(window.max(1));
+        if per >= 1 {
+            return (clamp(per), unit);
+        }
+    }
+    (1, Unit::Week)
+}
+
+/// A Structured Field string: printable ASCII, quotes and backslashes escaped.
+fn sf_string(s: &str) -> String {
+    let mut out = String::with_capacity(s.len() + 2);
+    out.push('"');
+    for c in s.chars() {
+        match c {
+            '"' | '\\' => {
+                out.push('\\');
+                out.push(c);
+            }
+            ' '..='~' => out.push(c),
+            _ => out.push('_'),
+        }
+    }
+    out.push('"');
+    out
+}
+
+fn seconds_ceil(n: Nanos) -> u64 {
+    n.div_ceil(NANOS_PER_SEC)
+}
+
+/// What one descriptor reports: its limit, remaining units and wait.
+fn status(o: &Outcome) -> (DescriptorStatus, Option<(String, Limit, u64, Nanos)>) {
+    let name = o.limit_name.as_deref().unwrap_or("limit").to_owned();
+    let (code, limit, remaining, wait) = match o.verdict.decision {
+        Decision::Allowed { remaining, reset_after, binding } => {
+            (Code::Ok, binding.map(|b| b.limit), remaining, reset_after)
+        }
+        Decision::Rejected { limit, retry_after, .. } => {
+            let code = if o.verdict.shadow { Code::Ok } else { Code::OverLimit };
+            (code, limit, 0, retry_after)
+        }
+    };
+    let current_limit = limit.map(|l| {
+        let (quota, window) = l.quota();
+        let (requests_per_unit, unit) = envoy_limit(quota, window);
+        RateLimit { name: name.clone(), requests_per_unit, unit: unit.into() }
+    });
+    let st = DescriptorStatus {
+        code: code.into(),
+        current_limit,
+        limit_remaining: u32::try_from(remaining).unwrap_or(u32::MAX),
+        duration_until_reset: Some(duration(wait)),
+        quota: None,
+    };
+    (st, limit.map(|l| (name, l, remaining, wait)))
+}
+
+fn header(key: &str, value: String) -> HeaderValue {
+    HeaderValue { key: key.to_owned(), value, raw_value: Vec::new() }
+}
+
+/// The answer to a decided call, with the IETF `RateLimit` / `RateLimit-Policy` fields,
+/// `Retry-After` and our reason when over limit.
+fn answer(outcomes: &[Outcome]) -> rls::RateLimitResponse {
+    let mut statuses = Vec::with_capacity(outcomes.len());
+    let mut policies: Vec<String> = Vec::new();
+    let mut limits: Vec<String> = Vec::new();
+    let mut retry: Option<Nanos> = None;
+    let mut reason = None;
+    for o in outcomes {
+        let (st, limit) = status(o);
+        let over = st.code == i32::from(Code::OverLimit);
+        statuses.push(st);
+        if let Some((name, l, remaining, wait)) = limit {
+            let (q, w) = l.quota();
+            let policy = format!("{};q={q};w={}", sf_string(&name), seconds_ceil(w).max(1));
+            if !policies.contains(&policy) {
+                policies.push(policy);
+                limits.push(format!("{};r={remaining};t={}", sf_string(&name), seconds_ceil(wait)));
+            }
+            if over {
+                retry = Some(retry.unwrap_or(0).max(wait));
+            }
+        }
+        if over && reason.is_none() {
+            reason = o.verdict.decision.reason();
+        }
+    }
+    let over = statuses.iter().any(|s| s.code == i32::from(Code::OverLimit));
+    let mut headers = Vec::new();
+    if !policies.is_empty() {
+        headers.push(header("RateLimit-Policy", policies.join(", ")));
+        headers.push(header("RateLimit", limits.join(", ")));
+    }
+    if over {
+        headers.push(header("Retry-After", seconds_ceil(retry.unwrap_or(0)).max(1).to_string()));
+        if let Some(r) = reason {
+            headers.push(header(REASON_HEADER, r.as_str().to_owned()));
+        }
+    }
+    rls::RateLimitResponse {
+        overall_code: if over { Code::OverLimit } else { Code::Ok }.into(),
+        statuses,
+        response_headers_to_add: headers,
+        ..Default::default()
+    }
+}
+
+#[tonic::async_trait]
+impl RateLimitService for EnvoyService {
+    async fn should_rate_limit(
+        &self,
+        request: tonic::Request<rls::RateLimitRequest>,
+    ) -> Result<Response<rls::RateLimitResponse>, Status> {
+        let req = request.into_inner();
+        let refuse = |e: ServerError| -> Status {
+            Owner::count_invalid(Api::Envoy, &e);
+            e.into()
+        };
+        let max = self.owner.limits().max_descriptors;
+        if req.descriptors.is_empty() {
+            return Err(refuse(ServerError::invalid(
+                "descriptors",
+                "at least one descriptor is required",
+            )));
+        }
+        if req.descriptors.len() > max {
+            return Err(refuse(ServerError::TooLarge {
+                what: "descriptors",
+                got: req.descriptors.len(),
+                max,
+            }));
+        }
+        let mapped = req
+            .descriptors
+            .iter()
+            .enumerate()
+            .map(|(i, d)| map(&self.mapping, &req.domain, i, d, req.hits_addend))
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(refuse)?;
+        let core: Vec<Request<'_>> = mapped
+            .iter()
+            .map(|m| Request {
+                tenant: m.tenant,
+                route: m.route,
+                key: m.key.as_deref(),
+                cost: Some(m.cost),
+                dry_run: m.dry_run,
+            })
+            .collect();
+        let outcomes =
+            self.owner.decide(Api::Envoy, &core, true, false).await.map_err(|(i, e)| {
+                Owner::count_invalid(Api::Envoy, &e);
+                match e {
+                    ServerError::Unavailable(_) => Status::from(e),
+                    e => Status::invalid_argument(format!(
+                        "descriptors[{i}]: {}",
+                        Status::from(e).message()
+                    )),
+                }
+            })?;
+        Ok(Response::new(answer(&outcomes)))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn limits_map_onto_envoy_units() {
+        assert_eq!(envoy_limit(100, NANOS_PER_SEC), (100, Unit::Second));
+        assert_eq!(envoy_limit(600, 60 * NANOS_PER_SEC), (600, Unit::Minute));
+        // 100 per 10 s: 10 per second.
+        assert_eq!(envoy_limit(100, 10 * NANOS_PER_SEC), (10, Unit::Second));
+        // 1 per 10 s: 6 per minute.
+        assert_eq!(envoy_limit(1, 10 * NANOS_PER_SEC), (6, Unit::Minute));
+    }
+
+    #[test]
+    fn structured_strings_are_escaped() {
+        assert_eq!(sf_string(r#"a"b\c é"#), r#""a\"b\\c _""#);
+    }
+}

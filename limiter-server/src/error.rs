@@ -1,0 +1,74 @@
+//! Errors of the server, and the one place they become gRPC status codes.
+
+use limiter_core::RequestError;
+
+/// Why a call failed.
+#[derive(Debug, thiserror::Error)]
+pub enum ServerError {
+    /// The request can never succeed as sent (names, costs).
+    #[error(transparent)]
+    Request(#[from] RequestError),
+    /// A malformed call, naming the field at fault.
+    #[error("{field}: {message}")]
+    Invalid {
+        /// The field at fault.
+        field: &'static str,
+        /// What is wrong with it.
+        message: String,
+    },
+    /// A bound of the server's configuration was exceeded.
+    #[error("{what} is {got}, above the maximum of {max}")]
+    TooLarge {
+        /// What was too large.
+        what: &'static str,
+        /// Its size.
+        got: usize,
+        /// The configured maximum.
+        max: usize,
+    },
+    /// A bounded resource is exhausted for now.
+    #[error("{0}")]
+    Exhausted(&'static str),
+    /// The limiter cannot decide (store down, draining).
+    #[error("limiter unavailable: {0}")]
+    Unavailable(String),
+}
+
+impl ServerError {
+    /// An invalid-field error.
+    pub fn invalid(field: &'static str, message: impl Into<String>) -> Self {
+        Self::Invalid { field, message: message.into() }
+    }
+
+    /// The request field at fault, if any (a bounded label for metrics).
+    pub fn field(&self) -> &'static str {
+        match self {
+            Self::Request(e) => e.field(),
+            Self::Invalid { field, .. } => field,
+            Self::TooLarge { what, .. } => what,
+            Self::Exhausted(_) | Self::Unavailable(_) => "none",
+        }
+    }
+}
+
+impl From<ServerError> for tonic::Status {
+    fn from(e: ServerError) -> Self {
+        let message = e.to_string();
+        match e {
+            ServerError::Request(RequestError::NameTooLong { field, .. })
+            | ServerError::Request(RequestError::EmptyName { field })
+            | ServerError::Request(RequestError::ControlCharacter { field }) => {
+                tonic::Status::invalid_argument(format!("{field}: {message}"))
+            }
+            ServerError::Request(RequestError::ZeroCost)
+            | ServerError::Request(RequestError::CostAboveLimit { .. }) => {
+                tonic::Status::invalid_argument(format!("cost: {message}"))
+            }
+            ServerError::Invalid { .. } | ServerError::TooLarge { .. } => {
+                tonic::Status::invalid_argument(message)
+            }
+            ServerError::Exhausted(_) => tonic::Status::resource_exhausted(message),
+            ServerError::Unavailable(_) => tonic::Status::unavailable(message),
+        }
+    }
+}

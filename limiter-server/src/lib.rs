@@ -1,0 +1,193 @@
+//! limiter-server: the token-owner server.
+//!
+//! - gRPC on one port: our `limiter.v1.RateLimiter` ([`service`]), Envoy's
+//!   `envoy.service.ratelimit.v3.RateLimitService` ([`envoy`]) and `grpc.health.v1`;
+//! - an admin HTTP port ([`admin`]): `/metrics`, `/healthz`, `/readyz`, `/policy`;
+//! - the policy file, hot-reloaded ([`reload`]); counters in a [`store::Store`].
+//!
+//! [`Server::new`] validates everything before a socket exists; [`Server::run`] takes
+//! listeners its caller bound (tests pass port 0) and a shutdown future.
+
+pub mod admin;
+pub mod config;
+pub mod convert;
+pub mod envoy;
+pub mod error;
+pub mod metrics;
+pub mod owner;
+pub mod reload;
+pub mod service;
+pub mod store;
+
+use std::future::Future;
+use std::sync::Arc;
+
+use limiter_core::clock::{Clock, MonotonicClock};
+use limiter_proto::envoy::service::ratelimit::v3::rate_limit_service_server::RateLimitServiceServer;
+use limiter_proto::limiter::v1::rate_limiter_server::RateLimiterServer;
+use tokio::net::TcpListener;
+use tokio_stream::wrappers::TcpListenerStream;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+
+use crate::config::ServerConfig;
+use crate::owner::Owner;
+use crate::reload::{LoadError, PolicyHolder};
+use crate::store::Store;
+
+/// A configured server, not yet serving.
+#[derive(Debug)]
+pub struct Server {
+    config: ServerConfig,
+    owner: Arc<Owner>,
+}
+
+/// The two sockets a server serves on.
+#[derive(Debug)]
+pub struct Listeners {
+    /// gRPC.
+    pub grpc: TcpListener,
+    /// Admin HTTP.
+    pub admin: TcpListener,
+}
+
+/// Why serving stopped with an error.
+#[derive(Debug, thiserror::Error)]
+pub enum RunError {
+    /// The gRPC transport failed.
+    #[error("gRPC server: {0}")]
+    Grpc(#[from] tonic::transport::Error),
+    /// The admin server failed.
+    #[error("admin server: {0}")]
+    Admin(#[from] std::io::Error),
+}
+
+impl Server {
+    /// Loads and validates the policy; binds nothing.
+    ///
+    /// # Errors
+    ///
+    /// An unreadable or invalid policy file.
+    pub fn new(config: ServerConfig) -> Result<Self, LoadError> {
+        Self::with_clock(config, Arc::new(MonotonicClock::new()))
+    }
+
+    /// Like [`Server::new`] with a given clock.
+    ///
+    /// # Errors
+    ///
+    /// As [`Server::new`].
+    pub fn with_clock(config: ServerConfig, clock: Arc<dyn Clock>) -> Result<Self, LoadError> {
+        let policies = Arc::new(PolicyHolder::load(&config.policy_file, clock.clone())?);
+        let store = Store::memory(config.max_keys);
+        let owner = Arc::new(Owner::new(policies, store, clock, config.limits));
+        Ok(Self { config, owner })
+    }
+
+    /// The decision logic (for embedding and tests).
+    pub fn owner(&self) -> &Arc<Owner> {
+        &self.owner
+    }
+
+    /// Serves until `shutdown` resolves, then drains: readiness goes false, new
+    /// connections stop after the drain delay, in-flight calls get the grace period.
+    ///
+    /// # Errors
+    ///
+    /// A transport failure.
+    pub async fn run(
+        self,
+        listeners: Listeners,
+        shutdown: impl Future<Output = ()> + Send,
+    ) -> Result<(), RunError> {
+        let Self { config, owner } = self;
+        let cancel = CancellationToken::new();
+        let tasks = TaskTracker::new();
+        tasks.spawn(reload::watch(
+            owner.policies().clone(),
+            config.reload_poll,
+            cancel.child_token(),
+        ));
+        tasks.spawn({
+            let (owner, cancel, every) =
+                (owner.clone(), cancel.child_token(), config.sweep_interval);
+            async move {
+                let mut tick = tokio::time::interval(every);
+                loop {
+                    tokio::select! {
+                        () = cancel.cancelled() => return,
+                        _ = tick.tick() => owner.sweep(),
+                    }
+                }
+            }
+        });
+
+        let (health, health_service) = tonic_health::server::health_reporter();
+        health.set_serving::<RateLimiterServer<service::NativeService>>().await;
+        health.set_serving::<RateLimitServiceServer<envoy::EnvoyService>>().await;
+        let max_message = config.limits.max_message_bytes;
+        let native = RateLimiterServer::new(service::NativeService::new(owner.clone()))
+            .max_decoding_message_size(max_message);
+        let envoy = RateLimitServiceServer::new(envoy::EnvoyService::new(
+            owner.clone(),
+            config.envoy.clone(),
+        ))
+        .max_decoding_message_size(max_message);
+        let grpc_stop = CancellationToken::new();
+        let grpc = tokio::spawn(
+            tonic::transport::Server::builder()
+                .add_service(health_service)
+                .add_service(native)
+                .add_service(envoy)
+                .serve_with_incoming_shutdown(
+                    TcpListenerStream::new(listeners.grpc),
+                    grpc_stop.clone().cancelled_owned(),
+                ),
+        );
+        let admin_stop = CancellationToken::new();
+        let admin = tokio::spawn(
+            axum::serve(listeners.admin, admin::router(owner.clone()))
+                .with_graceful_shutdown(admin_stop.clone().cancelled_owned())
+                .into_future(),
+        );
+        owner.set_ready(true);
+        tracing::info!(
+            grpc = %config.listen,
+            admin = %config.admin_listen,
+            policy = %config.policy_file.display(),
+            version = owner.policies().current().version,
+            "serving"
+        );
+
+        shutdown.await;
+        tracing::info!(drain_delay = ?config.drain_delay, "shutting down: readiness off, draining");
+        owner.set_ready(false);
+        health.set_not_serving::<RateLimiterServer<service::NativeService>>().await;
+        health.set_not_serving::<RateLimitServiceServer<envoy::EnvoyService>>().await;
+        health.set_service_status("", tonic_health::ServingStatus::NotServing).await;
+        tokio::time::sleep(config.drain_delay).await;
+        grpc_stop.cancel();
+        let result = match tokio::time::timeout(config.grace, grpc).await {
+            Ok(Ok(r)) => r.map_err(RunError::from),
+            Ok(Err(join)) => {
+                tracing::error!("gRPC server task failed: {join}");
+                Ok(())
+            }
+            Err(_) => {
+                tracing::warn!(grace = ?config.grace, "in-flight calls abandoned after the grace period");
+                Ok(())
+            }
+        };
+        cancel.cancel();
+        tasks.close();
+        if tokio::time::timeout(config.grace, tasks.wait()).await.is_err() {
+            tracing::warn!("background tasks abandoned after the grace period");
+        }
+        admin_stop.cancel();
+        if let Ok(Ok(Err(e))) = tokio::time::timeout(config.grace, admin).await {
+            tracing::error!("admin server: {e}");
+        }
+        tracing::info!("stopped");
+        result
+    }
+}

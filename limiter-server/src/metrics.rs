@@ -1,0 +1,181 @@
+//! Metric names, their descriptions, and the Prometheus recorder.
+//!
+//! Labels are bounded enums only: `api`, `route` (a route the policy names, else
+//! `other`), `decision`, `reason`, `scope`, `result`, `kind`, `field`. Never a tenant or
+//! a key: those go to logs.
+
+use std::sync::OnceLock;
+
+use limiter_core::{Reason, Scope, Verdict};
+use metrics::{Counter, Unit, describe_counter, describe_gauge, describe_histogram};
+use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
+
+/// Decisions, by `api`, `route`, `decision` (`allowed`, `rejected`, `shadow_rejected`),
+/// `reason` and `scope`.
+pub const DECISIONS: &str = "limiter_decisions_total";
+/// Time to decide one request, by `api`.
+pub const DECISION_SECONDS: &str = "limiter_decision_duration_seconds";
+/// Calls refused as invalid, by `api` and `field`.
+pub const INVALID_REQUESTS: &str = "limiter_invalid_requests_total";
+/// Counters held in the memory store.
+pub const STORE_KEYS: &str = "limiter_store_keys";
+/// The most counters the memory store holds.
+pub const STORE_MAX_KEYS: &str = "limiter_store_max_keys";
+/// Counters dropped, by `kind` (`idle`: lossless; `live`: evicted because full).
+pub const STORE_EVICTIONS: &str = "limiter_store_evictions_total";
+/// Policy reloads, by `result` (`ok`, `failed`).
+pub const POLICY_RELOADS: &str = "limiter_policy_reloads_total";
+/// The active policy's version.
+pub const POLICY_VERSION: &str = "limiter_policy_version";
+/// When the active policy was loaded (Unix seconds).
+pub const POLICY_LOADED: &str = "limiter_policy_loaded_timestamp_seconds";
+/// Reported costs settled after the fact, by `direction` (`charge`, `refund`).
+pub const COST_REPORTS: &str = "limiter_cost_reports_total";
+/// Units settled after the fact, by `direction`.
+pub const COST_REPORT_UNITS: &str = "limiter_cost_report_units_total";
+/// 1, with the build's `version` as a label.
+pub const BUILD_INFO: &str = "limiter_build_info";
+/// 1 while the server is ready to serve (policy loaded, not draining).
+pub const READY: &str = "limiter_ready";
+
+/// Histogram buckets for decision latency: 5 µs to 1 s.
+const LATENCY_BUCKETS: &[f64] = &[
+    0.000_005, 0.000_01, 0.000_025, 0.000_05, 0.000_1, 0.000_25, 0.000_5, 0.001, 0.002_5, 0.005,
+    0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
+];
+
+/// The process-wide recorder, installed on first use. Several servers in one process
+/// (tests) share it.
+pub fn handle() -> &'static PrometheusHandle {
+    static HANDLE: OnceLock<PrometheusHandle> = OnceLock::new();
+    HANDLE.get_or_init(|| {
+        let recorder = PrometheusBuilder::new()
+            .set_buckets_for_metric(Matcher::Full(DECISION_SECONDS.to_owned()), LATENCY_BUCKETS)
+            .expect("buckets are not empty")
+            .build_recorder();
+        let handle = recorder.handle();
+        // Another recorder may already be installed (an embedding application's);
+        // then ours still renders what it is given, which is nothing: say so.
+        if metrics::set_global_recorder(recorder).is_err() {
+            tracing::warn!("a metrics recorder was already installed; /metrics will be empty");
+        }
+        describe();
+        metrics::gauge!(BUILD_INFO, "version" => env!("CARGO_PKG_VERSION")).set(1.0);
+        handle
+    })
+}
+
+fn describe() {
+    describe_counter!(DECISIONS, "Decisions by api, route, decision, reason and scope.");
+    describe_histogram!(DECISION_SECONDS, Unit::Seconds, "Time to decide one request.");
+    describe_counter!(INVALID_REQUESTS, "Calls refused as invalid, by api and field.");
+    describe_gauge!(STORE_KEYS, "Counters held in the memory store.");
+    describe_gauge!(STORE_MAX_KEYS, "The most counters the memory store holds.");
+    describe_counter!(STORE_EVICTIONS, "Counters dropped: idle (lossless) or live (store full).");
+    describe_counter!(POLICY_RELOADS, "Policy reloads by result.");
+    describe_gauge!(POLICY_VERSION, "Version of the active policy.");
+    describe_gauge!(POLICY_LOADED, Unit::Seconds, "When the active policy was loaded.");
+    describe_counter!(COST_REPORTS, "Costs settled after the fact, by direction.");
+    describe_counter!(COST_REPORT_UNITS, "Units settled after the fact, by direction.");
+    describe_gauge!(BUILD_INFO, "Build information.");
+    describe_gauge!(READY, "1 while ready to serve.");
+}
+
+/// Which API a decision came through (a label).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Api {
+    /// `limiter.v1.RateLimiter`.
+    Native,
+    /// `envoy.service.ratelimit.v3.RateLimitService`.
+    Envoy,
+}
+
+impl Api {
+    /// The label value.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Native => "native",
+            Self::Envoy => "envoy",
+        }
+    }
+}
+
+/// The scope label of a rejection reason.
+fn reason_scope(reason: Reason) -> &'static str {
+    match reason {
+        Reason::GlobalCeiling => Scope::Global.as_str(),
+        Reason::RouteLimit => Scope::Route.as_str(),
+        Reason::TenantLimit | Reason::UnknownTenant => Scope::Tenant.as_str(),
+        Reason::TenantRouteLimit => Scope::TenantRoute.as_str(),
+        Reason::KeyLimit => Scope::Key.as_str(),
+        Reason::EmergencyCeiling | Reason::LimiterUnavailable => "none",
+    }
+}
+
+const OUTCOMES: usize = 1 + 2 * Reason::ALL.len();
+
+/// Decision counters of one policy, created on first use, so that the hot path does
+/// one map lookup and one atomic add instead of building labels per request.
+#[derive(Debug)]
+pub struct DecisionCounters {
+    routes: limiter_core::policy::Map<usize>,
+    names: Vec<Box<str>>,
+    counters: Vec<OnceLock<Counter>>,
+}
+
+impl DecisionCounters {
+    /// Counters for the routes `policy` names (others count as `other`).
+    pub fn new(policy: &limiter_core::policy::Policy) -> Self {
+        let mut names: Vec<Box<str>> = policy.routes.keys().cloned().collect();
+        names.sort_unstable();
+        let routes = names.iter().enumerate().map(|(i, n)| (n.clone(), i)).collect();
+        names.push("other".into());
+        let counters = (0..2 * names.len() * OUTCOMES).map(|_| OnceLock::new()).collect();
+        Self { routes, names, counters }
+    }
+
+    /// The route label of `route`.
+    pub fn route_label(&self, route: &str) -> &str {
+        &self.names[self.route_index(route)]
+    }
+
+    fn route_index(&self, route: &str) -> usize {
+        self.routes.get(route).copied().unwrap_or(self.names.len() - 1)
+    }
+
+    /// Counts one decision.
+    pub fn record(&self, api: Api, route: &str, verdict: &Verdict) {
+        let r = self.route_index(route);
+        let outcome = match verdict.decision.reason() {
+            None => 0,
+            Some(reason) => {
+                let i = Reason::ALL.iter().position(|x| *x == reason).unwrap_or(0);
+                1 + 2 * i + usize::from(verdict.shadow)
+            }
+        };
+        let a = match api {
+            Api::Native => 0,
+            Api::Envoy => 1,
+        };
+        let slot = &self.counters[(a * self.names.len() + r) * OUTCOMES + outcome];
+        slot.get_or_init(|| {
+            let (decision, reason, scope) = match verdict.decision.reason() {
+                None => ("allowed", "none", "none"),
+                Some(reason) => (
+                    if verdict.shadow { "shadow_rejected" } else { "rejected" },
+                    reason.as_str(),
+                    reason_scope(reason),
+                ),
+            };
+            metrics::counter!(
+                DECISIONS,
+                "api" => api.as_str(),
+                "route" => self.names[r].to_string(),
+                "decision" => decision,
+                "reason" => reason,
+                "scope" => scope,
+            )
+        })
+        .increment(1);
+    }
+}

@@ -1,0 +1,331 @@
+//! The token owner: resolves requests against the active policy, decides them on the
+//! store, counts them, and settles costs reported after the fact.
+
+use std::collections::HashMap;
+use std::hash::BuildHasher;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use limiter_core::clock::{Clock, NANOS_PER_SEC, Nanos};
+use limiter_core::policy::{Chain, Request};
+use limiter_core::{Decision, Verdict};
+use metrics::Histogram;
+use parking_lot::Mutex;
+
+use crate::config::Limits;
+use crate::error::ServerError;
+use crate::metrics::{self as m, Api};
+use crate::reload::PolicyHolder;
+use crate::store::Store;
+
+/// How long a check-now-charge-later ticket may be settled with a refund.
+pub const TICKET_TTL: Nanos = 3_600 * NANOS_PER_SEC;
+
+/// One decided request, with what the edges need to answer.
+#[derive(Debug, Clone)]
+pub struct Outcome {
+    /// The decision and shadow flag.
+    pub verdict: Verdict,
+    /// Units charged (0 for a rejection or dry run).
+    pub charged: u64,
+    /// The name of the binding level's limit, if any level applies.
+    pub limit_name: Option<Box<str>>,
+    /// The policy version that decided.
+    pub policy_version: u64,
+    /// When it was decided (clock nanoseconds).
+    pub decided_at: Nanos,
+    /// A ticket to report the actual cost with, when asked for.
+    pub ticket: Option<String>,
+}
+
+/// What a cost report did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Settlement {
+    /// Units charged beyond the estimate.
+    pub charged: u64,
+    /// Units given back.
+    pub refunded: u64,
+    /// Units left at the tightest level afterwards.
+    pub remaining: u64,
+}
+
+/// Tickets of requests admitted on an estimate, until their actual cost is reported.
+///
+/// A ticket is `v1.<admitted_at>.<estimate>.<mac>` (hex); the MAC (SipHash under a key
+/// drawn at start) binds it to the tenant, route and key it was issued for. Open
+/// tickets are remembered (bounded) so that a refund is paid once; a report for a
+/// ticket no longer open (settled, expired or evicted) still charges any excess,
+/// never loses it, but refunds nothing.
+#[derive(Debug)]
+struct Tickets {
+    key: std::hash::RandomState,
+    open: Mutex<HashMap<u64, Nanos>>,
+    max: usize,
+}
+
+struct Ticket {
+    admitted_at: Nanos,
+    estimate: u64,
+    mac: u64,
+}
+
+impl Tickets {
+    fn mac(&self, req: &Request<'_>, admitted_at: Nanos, estimate: u64) -> u64 {
+        self.key.hash_one((req.tenant, req.route, req.key.unwrap_or(""), admitted_at, estimate))
+    }
+
+    fn issue(&self, req: &Request<'_>, admitted_at: Nanos, estimate: u64) -> String {
+        let mac = self.mac(req, admitted_at, estimate);
+        let mut open = self.open.lock();
+        if open.len() >= self.max {
+            open.retain(|_, at| admitted_at.saturating_sub(*at) < TICKET_TTL);
+        }
+        if open.len() >= self.max {
+            // Still full: forget the oldest; its estimate stays charged (never a loss).
+            if let Some(oldest) = open.iter().min_by_key(|(_, at)| **at).map(|(k, _)| *k) {
+                open.remove(&oldest);
+            }
+        }
+        open.insert(mac, admitted_at);
+        format!("v1.{admitted_at:x}.{estimate:x}.{mac:x}")
+    }
+
+    fn parse(&self, req: &Request<'_>, text: &str) -> Result<Ticket, ServerError> {
+        let bad =
+            || ServerError::invalid("ticket", "not a ticket issued for this tenant, route and key");
+        let mut parts = text.split('.');
+        if parts.next() != Some("v1") {
+            return Err(bad());
+        }
+        let mut hex = || parts.next().and_then(|p| u64::from_str_radix(p, 16).ok()).ok_or_else(bad);
+        let (admitted_at, estimate, mac) = (hex()?, hex()?, hex()?);
+        if self.mac(req, admitted_at, estimate) != mac {
+            return Err(bad());
+        }
+        Ok(Ticket { admitted_at, estimate, mac })
+    }
+
+    /// Closes an open ticket; false when it was not open.
+    fn close(&self, t: &Ticket, now: Nanos) -> bool {
+        let open = self.open.lock().remove(&t.mac).is_some();
+        open && now.saturating_sub(t.admitted_at) < TICKET_TTL
+    }
+}
+
+/// The server's decision logic, shared by its gRPC services and admin port.
+pub struct Owner {
+    policies: Arc<PolicyHolder>,
+    store: Store,
+    clock: Arc<dyn Clock>,
+    limits: Limits,
+    tickets: Tickets,
+    ready: AtomicBool,
+    latency: [Histogram; 2],
+}
+
+impl std::fmt::Debug for Owner {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Owner").field("store", &self.store).finish_non_exhaustive()
+    }
+}
+
+impl Owner {
+    /// An owner over a loaded policy and a store.
+    pub fn new(
+        policies: Arc<PolicyHolder>,
+        store: Store,
+        clock: Arc<dyn Clock>,
+        limits: Limits,
+    ) -> Self {
+        m::handle();
+        Self {
+            policies,
+            store,
+            clock,
+            limits,
+            tickets: Tickets {
+                key: std::hash::RandomState::new(),
+                open: Mutex::default(),
+                max: limits.max_open_tickets,
+            },
+            ready: AtomicBool::new(false),
+            latency: [
+                metrics::histogram!(m::DECISION_SECONDS, "api" => Api::Native.as_str()),
+                metrics::histogram!(m::DECISION_SECONDS, "api" => Api::Envoy.as_str()),
+            ],
+        }
+    }
+
+    /// The active policy and its reload state.
+    pub fn policies(&self) -> &Arc<PolicyHolder> {
+        &self.policies
+    }
+
+    /// The store.
+    pub fn store(&self) -> &Store {
+        &self.store
+    }
+
+    /// The clock decisions are made on.
+    pub fn clock(&self) -> &Arc<dyn Clock> {
+        &self.clock
+    }
+
+    /// Caller bounds.
+    pub fn limits(&self) -> &Limits {
+        &self.limits
+    }
+
+    /// Whether the server takes traffic (policy loaded, not draining).
+    pub fn is_ready(&self) -> bool {
+        // Relaxed: a flag read on its own; nothing else is published through it.
+        self.ready.load(Ordering::Relaxed)
+    }
+
+    /// Marks the server ready or not (draining).
+    pub fn set_ready(&self, ready: bool) {
+        self.ready.store(ready, Ordering::Relaxed);
+        metrics::gauge!(m::READY).set(if ready { 1.0 } else { 0.0 });
+    }
+
+    /// Counts a refused call.
+    pub fn count_invalid(api: Api, e: &ServerError) {
+        metrics::counter!(m::INVALID_REQUESTS, "api" => api.as_str(), "field" => e.field())
+            .increment(1);
+    }
+
+    /// Decides `requests` in order. With `all_or_nothing`, a rejection refunds what the
+    /// requests before it were charged (Envoy's descriptors: one HTTP request, so
+    /// either every descriptor is charged or none). `report_later` asks for tickets.
+    ///
+    /// # Errors
+    ///
+    /// The first request that can never succeed, by index; or an unreachable store.
+    pub async fn decide(
+        &self,
+        api: Api,
+        requests: &[Request<'_>],
+        all_or_nothing: bool,
+        report_later: bool,
+    ) -> Result<Vec<Outcome>, (usize, ServerError)> {
+        let started = self.clock.now();
+        let active = self.policies.current();
+        let mut chains: Vec<Chain<'_>> = Vec::with_capacity(requests.len());
+        for (i, r) in requests.iter().enumerate() {
+            let chain = active.policy.resolve(r, &self.limits.names).map_err(|e| (i, e.into()))?;
+            chains.push(chain);
+        }
+        let mut outcomes = Vec::with_capacity(requests.len());
+        for (i, (req, chain)) in requests.iter().zip(&chains).enumerate() {
+            let now = self.clock.now();
+            let verdict = self.store.decide(chain, now).await.map_err(|e| (i, e))?;
+            let charged = match verdict.decision {
+                Decision::Allowed { .. } if !chain.dry_run => chain.cost,
+                _ => 0,
+            };
+            active.counters.record(api, req.route, &verdict);
+            if !verdict.decision.is_allowed() {
+                tracing::debug!(
+                    tenant = req.tenant,
+                    route = req.route,
+                    reason = ?verdict.decision.reason(),
+                    shadow = verdict.shadow,
+                    "rejected"
+                );
+            }
+            let scope = match verdict.decision {
+                Decision::Allowed { binding, .. } => binding.map(|b| b.scope),
+                Decision::Rejected { scope, .. } => Some(scope),
+            };
+            let limit_name = scope
+                .and_then(|s| chain.levels().find(|l| l.scope == s))
+                .map(|l| l.rule.name.clone());
+            let ticket =
+                (report_later && charged > 0).then(|| self.tickets.issue(req, now, charged));
+            outcomes.push(Outcome {
+                verdict,
+                charged,
+                limit_name,
+                policy_version: active.version,
+                decided_at: now,
+                ticket,
+            });
+        }
+        let rejected = outcomes.iter().any(|o| !o.verdict.admitted());
+        if all_or_nothing && rejected {
+            for (o, chain) in outcomes.iter_mut().zip(&chains) {
+                if o.charged > 0 {
+                    let now = self.clock.now();
+                    self.store
+                        .refund(chain, now, o.decided_at, o.charged)
+                        .await
+                        .map_err(|e| (0, e))?;
+                    o.charged = 0;
+                }
+            }
+        }
+        let per = (self.clock.now().saturating_sub(started)) as f64 / NANOS_PER_SEC as f64;
+        self.latency[usize::from(api == Api::Envoy)].record(per / requests.len().max(1) as f64);
+        Ok(outcomes)
+    }
+
+    /// Settles a request admitted on an estimate: charges the excess (even past the
+    /// limit) or refunds the difference, on every level of its chain.
+    ///
+    /// # Errors
+    ///
+    /// An invalid request or ticket; a refund asked for a ticket that is no longer open.
+    pub async fn report_cost(
+        &self,
+        req: &Request<'_>,
+        ticket: &str,
+        actual: u64,
+    ) -> Result<Settlement, ServerError> {
+        let t = self.tickets.parse(req, ticket)?;
+        let active = self.policies.current();
+        // The chain only: the amounts come from the ticket and the report.
+        let probe = Request { cost: Some(1), dry_run: true, ..*req };
+        let chain = active.policy.resolve(&probe, &self.limits.names)?;
+        let now = self.clock.now();
+        let open = self.tickets.close(&t, now);
+        let (charged, refunded) = if actual >= t.estimate {
+            let extra = actual - t.estimate;
+            self.store.charge(&chain, now, extra).await?;
+            (extra, 0)
+        } else if open {
+            let back = t.estimate - actual;
+            self.store.refund(&chain, now, t.admitted_at, back).await?;
+            (0, back)
+        } else {
+            return Err(ServerError::invalid(
+                "ticket",
+                "already settled or expired: refunds need an open ticket",
+            ));
+        };
+        for (direction, units) in [("charge", charged), ("refund", refunded)] {
+            if units > 0 {
+                metrics::counter!(m::COST_REPORTS, "direction" => direction).increment(1);
+                metrics::counter!(m::COST_REPORT_UNITS, "direction" => direction).increment(units);
+            }
+        }
+        let remaining = self.store.remaining(&chain, now).await?;
+        Ok(Settlement { charged, refunded, remaining })
+    }
+
+    /// Drops idle counters and publishes store gauges.
+    pub fn sweep(&self) {
+        let dropped = self.store.sweep(self.clock.now());
+        tracing::trace!(dropped, "swept idle counters");
+        self.sweep_stats();
+    }
+
+    /// Publishes the store's gauges and eviction counters.
+    #[allow(clippy::cast_precision_loss)] // gauge values
+    pub fn sweep_stats(&self) {
+        let s = self.store.stats();
+        metrics::gauge!(m::STORE_KEYS).set(s.keys as f64);
+        metrics::gauge!(m::STORE_MAX_KEYS).set(self.store.max_keys() as f64);
+        metrics::counter!(m::STORE_EVICTIONS, "kind" => "idle").absolute(s.evicted_idle);
+        metrics::counter!(m::STORE_EVICTIONS, "kind" => "live").absolute(s.evicted_live);
+    }
+}

@@ -125,7 +125,8 @@ pub struct Binding {
 pub enum Decision {
     /// Admitted (and charged, unless it was a dry run).
     Allowed {
-        /// Units left at the tightest level after this request.
+        /// Units left at the tightest level after this request (for a dry run, left
+        /// now: nothing was charged).
         remaining: u64,
         /// Nanoseconds until the tightest level is back to its full allowance.
         reset_after: Nanos,

@@ -118,6 +118,8 @@ impl Limiter {
             let state = locked.get(i, limit).unwrap_or(&fresh);
             match limit.check(state, now, cost) {
                 Check::Admit { remaining } => {
+                    // A dry run charges nothing, so nothing is taken off what is left.
+                    let remaining = if chain.dry_run { remaining + cost } else { remaining };
                     if tightest.is_none_or(|(_, r)| remaining < r) {
                         tightest = Some((i, remaining));
                     }

@@ -1,0 +1,149 @@
+//! A real server on loopback ports, started in-process for a test.
+
+#![allow(dead_code)] // each test binary uses a different part
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use limiter_proto::envoy::service::ratelimit::v3::rate_limit_service_client::RateLimitServiceClient;
+use limiter_proto::limiter::v1 as pb;
+use limiter_proto::limiter::v1::rate_limiter_client::RateLimiterClient;
+use limiter_server::config::ServerConfig;
+use limiter_server::{Listeners, Server};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpListener;
+use tonic::transport::Channel;
+
+pub struct TestServer {
+    pub grpc: SocketAddr,
+    pub admin: SocketAddr,
+    pub dir: tempfile::TempDir,
+    pub policy: PathBuf,
+    stop: Option<tokio::sync::oneshot::Sender<()>>,
+    task: Option<tokio::task::JoinHandle<()>>,
+}
+
+impl TestServer {
+    /// Starts a server on `policy` with extra `LIMITER__*` settings.
+    pub async fn start_with(policy: &str, env: &[(&str, &str)]) -> Self {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("policies.yaml");
+        std::fs::write(&path, policy).unwrap();
+        let mut vars = vec![
+            ("LIMITER__POLICY_FILE".to_owned(), path.display().to_string()),
+            ("LIMITER__SHUTDOWN__DRAIN_DELAY_MS".to_owned(), "0".to_owned()),
+            ("LIMITER__SHUTDOWN__GRACE_MS".to_owned(), "2000".to_owned()),
+            ("LIMITER__RELOAD__POLL_INTERVAL_MS".to_owned(), "500".to_owned()),
+        ];
+        vars.extend(env.iter().map(|(k, v)| ((*k).to_owned(), (*v).to_owned())));
+        let config = ServerConfig::load_with_env(None, vars).unwrap();
+        let server = Server::new(config).unwrap();
+        let grpc = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let admin = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let (grpc_addr, admin_addr) = (grpc.local_addr().unwrap(), admin.local_addr().unwrap());
+        let (stop, rx) = tokio::sync::oneshot::channel();
+        let task = tokio::spawn(async move {
+            server
+                .run(Listeners { grpc, admin }, async {
+                    let _ = rx.await;
+                })
+                .await
+                .unwrap();
+        });
+        Self {
+            grpc: grpc_addr,
+            admin: admin_addr,
+            dir,
+            policy: path,
+            stop: Some(stop),
+            task: Some(task),
+        }
+    }
+
+    pub async fn start(policy: &str) -> Self {
+        Self::start_with(policy, &[]).await
+    }
+
+    pub async fn native(&self) -> RateLimiterClient<Channel> {
+        RateLimiterClient::connect(format!("http://{}", self.grpc)).await.unwrap()
+    }
+
+    pub async fn envoy(&self) -> RateLimitServiceClient<Channel> {
+        RateLimitServiceClient::connect(format!("http://{}", self.grpc)).await.unwrap()
+    }
+
+    /// GET on the admin port: (status, body).
+    pub async fn get(&self, path: &str) -> (u16, String) {
+        http_get(self.admin, path).await
+    }
+
+    /// Stops the server and waits for it.
+    pub async fn stop(mut self) {
+        if let Some(s) = self.stop.take() {
+            let _ = s.send(());
+        }
+        if let Some(t) = self.task.take() {
+            tokio::time::timeout(Duration::from_secs(10), t).await.unwrap().unwrap();
+        }
+    }
+}
+
+/// A minimal HTTP/1.1 GET (no client library needed for a loopback admin port).
+pub async fn http_get(addr: SocketAddr, path: &str) -> (u16, String) {
+    let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let req = format!("GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n");
+    s.write_all(req.as_bytes()).await.unwrap();
+    let mut buf = Vec::new();
+    s.read_to_end(&mut buf).await.unwrap();
+    let text = String::from_utf8_lossy(&buf).into_owned();
+    let status = text.split(' ').nth(1).and_then(|c| c.parse().ok()).unwrap_or(0);
+    let body = text.split_once("\r\n\r\n").map(|(_, b)| b.to_owned()).unwrap_or_default();
+    // Chunked bodies: good enough to search in; strip nothing.
+    (status, body)
+}
+
+pub fn ask(tenant: &str, route: &str) -> pb::ShouldAllowRequest {
+    pb::ShouldAllowRequest { tenant: tenant.into(), route: route.into(), ..Default::default() }
+}
+
+pub fn ask_key(tenant: &str, route: &str, key: &str) -> pb::ShouldAllowRequest {
+    pb::ShouldAllowRequest { key: key.into(), ..ask(tenant, route) }
+}
+
+pub fn ask_cost(tenant: &str, route: &str, cost: u64) -> pb::ShouldAllowRequest {
+    pb::ShouldAllowRequest { cost: Some(cost), ..ask(tenant, route) }
+}
+
+/// Sends `req` `n` times; returns how many were allowed.
+pub async fn allowed_of(
+    c: &mut RateLimiterClient<Channel>,
+    req: &pb::ShouldAllowRequest,
+    n: usize,
+) -> usize {
+    let mut ok = 0;
+    for _ in 0..n {
+        if c.should_allow(req.clone()).await.unwrap().into_inner().allowed {
+            ok += 1;
+        }
+    }
+    ok
+}
+
+/// Polls `f` every 20 ms until it is true or `within` passes; returns whether it was.
+pub async fn eventually<F, Fut>(within: Duration, mut f: F) -> bool
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    let deadline = tokio::time::Instant::now() + within;
+    loop {
+        if f().await {
+            return true;
+        }
+        if tokio::time::Instant::now() >= deadline {
+            return false;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}

@@ -26,7 +26,7 @@ use limiter_core::clock::{Clock, MonotonicClock};
 use limiter_proto::envoy::service::ratelimit::v3::rate_limit_service_server::RateLimitServiceServer;
 use limiter_proto::limiter::v1::rate_limiter_server::RateLimiterServer;
 use tokio::net::TcpListener;
-use tokio_stream::wrappers::TcpListenerStream;
+use tonic::transport::server::TcpIncoming;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
@@ -140,7 +140,10 @@ impl Server {
                 .add_service(native)
                 .add_service(envoy)
                 .serve_with_incoming_shutdown(
-                    TcpListenerStream::new(listeners.grpc),
+                    // No Nagle: a decision is a small message that must leave at once.
+                    TcpIncoming::from(listeners.grpc)
+                        .with_nodelay(Some(true))
+                        .with_keepalive(Some(std::time::Duration::from_secs(60))),
                     grpc_stop.clone().cancelled_owned(),
                 ),
         );

@@ -10,8 +10,7 @@
 use limiter_proto::limiter::v1 as pb;
 use limiter_proto::limiter::v1::rate_limiter_client::RateLimiterClient;
 
-const USAGE: &str =
-    "usage: ask [--addr http://127.0.0.1:50051] [--cost N] [--dry-run] [--repeat N] TENANT ROUTE [KEY]";
+const USAGE: &str = "usage: ask [--addr http://127.0.0.1:50051] [--cost N] [--dry-run] [--repeat N] TENANT ROUTE [KEY]";
 
 fn secs(d: Option<&prost_types::Duration>) -> f64 {
     d.map_or(0.0, |d| d.seconds as f64 + f64::from(d.nanos) / 1e9)
@@ -27,7 +26,9 @@ async fn main() -> anyhow::Result<()> {
     while let Some(a) = args.next() {
         match a.as_str() {
             "--addr" => addr = args.next().ok_or_else(|| anyhow::anyhow!(USAGE))?,
-            "--cost" => req.cost = Some(args.next().ok_or_else(|| anyhow::anyhow!(USAGE))?.parse()?),
+            "--cost" => {
+                req.cost = Some(args.next().ok_or_else(|| anyhow::anyhow!(USAGE))?.parse()?);
+            }
             "--repeat" => repeat = args.next().ok_or_else(|| anyhow::anyhow!(USAGE))?.parse()?,
             "--dry-run" => req.dry_run = true,
             "-h" | "--help" => {

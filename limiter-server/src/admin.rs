@@ -9,6 +9,7 @@ use axum::http::{StatusCode, header};
 use axum::response::IntoResponse;
 use axum::routing::get;
 use limiter_core::clock::NANOS_PER_SEC;
+use limiter_core::policy::UnknownTenants;
 use serde_json::json;
 
 use crate::metrics;
@@ -57,7 +58,10 @@ async fn policy(State(owner): State<Arc<Owner>>) -> impl IntoResponse {
             "routes": routes,
             "tenants": p.tenants.len(),
             "default_tenant": p.default_tenant.is_some(),
-            "unknown_tenants": format!("{:?}", p.unknown_tenants).to_lowercase(),
+            "unknown_tenants": match p.unknown_tenants {
+                UnknownTenants::UseDefault => "use_default",
+                UnknownTenants::Reject => "reject",
+            },
             "shadow": p.shadow,
         },
         "reloads": {

@@ -26,9 +26,9 @@ use limiter_core::clock::{Clock, MonotonicClock};
 use limiter_proto::envoy::service::ratelimit::v3::rate_limit_service_server::RateLimitServiceServer;
 use limiter_proto::limiter::v1::rate_limiter_server::RateLimiterServer;
 use tokio::net::TcpListener;
-use tonic::transport::server::TcpIncoming;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
+use tonic::transport::server::TcpIncoming;
 
 use crate::config::ServerConfig;
 use crate::owner::Owner;

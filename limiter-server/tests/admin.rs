@@ -6,6 +6,9 @@ mod common;
 use std::time::Duration;
 
 use common::{TestServer, allowed_of, ask, ask_key, eventually, http_get};
+use tonic_health::pb::HealthCheckRequest;
+use tonic_health::pb::health_check_response::ServingStatus;
+use tonic_health::pb::health_client::HealthClient;
 
 const POLICY: &str = r"
 version: 1
@@ -54,6 +57,14 @@ async fn health_readiness_and_policy_summary() {
     assert_eq!(status, 200);
     assert!(body.contains(r#""version":1"#), "{body}");
     assert!(body.contains(r#""routes":["/search"]"#), "{body}");
+    let channel = tonic::transport::Endpoint::from_shared(format!("http://{}", s.grpc)).unwrap();
+    let mut health = HealthClient::new(channel.connect().await.unwrap());
+    let check = |service: &str| HealthCheckRequest { service: service.to_owned() };
+    let serving = ServingStatus::Serving as i32;
+    for service in ["", "limiter.v1.RateLimiter", "envoy.service.ratelimit.v3.RateLimitService"] {
+        let status = health.check(check(service)).await.unwrap().into_inner().status;
+        assert_eq!(status, serving, "`{service}`");
+    }
     let admin = s.admin;
     let mut c = s.native().await;
     let stopping = tokio::spawn(s.stop());
@@ -62,6 +73,8 @@ async fn health_readiness_and_policy_summary() {
         eventually(Duration::from_secs(2), || async { http_get(admin, "/readyz").await.0 == 503 })
             .await
     );
+    let status = health.check(check("")).await.unwrap().into_inner().status;
+    assert_eq!(status, ServingStatus::NotServing as i32);
     assert!(c.should_allow(ask("acme-corp-4711", "/search")).await.is_ok());
     stopping.await.unwrap();
 }

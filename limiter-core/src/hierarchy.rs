@@ -37,6 +37,8 @@ pub struct Grant {
     pub units: u64,
     /// When they were charged (needed to return them).
     pub granted_at: Nanos,
+    /// How long they may be spent (at most what was asked for).
+    pub hold: Nanos,
     /// The level that limited the grant, if any did.
     pub binding: Option<Scope>,
 }
@@ -186,14 +188,18 @@ impl Limiter {
     }
 
     /// Grants up to `max` units from every level at once: the most that every level
-    /// can give, debited from all of them (the primitive leases are made of).
-    pub fn grant(&self, chain: &Chain<'_>, now: Nanos, max: u64) -> Grant {
+    /// can give, debited from all of them (the primitive leases are made of). The
+    /// units may be spent until `now + grant.hold`, where `hold` is at most the one
+    /// asked for and ends with the window of any window level.
+    pub fn grant(&self, chain: &Chain<'_>, now: Nanos, max: u64, hold: Nanos) -> Grant {
         let mut locked = self.table.lock(chain.keys());
         let fresh = LimitState::Fresh;
         let mut units = max;
         let mut binding = None;
+        let mut hold = hold;
         for (i, level) in chain.levels().enumerate() {
             let limit = &level.rule.limit;
+            hold = limit.grant_hold(now, hold);
             let r = limit.remaining(locked.get(i, limit).unwrap_or(&fresh), now);
             if r < units {
                 units = r;
@@ -204,12 +210,35 @@ impl Limiter {
             for (i, level) in chain.levels().enumerate() {
                 let limit = &level.rule.limit;
                 let slot = locked.slot_mut(i, limit, now);
-                limit.charge(&mut slot.state, now, units);
+                limit.charge_at(&mut slot.state, now, limit.grant_stamp(now, hold), units);
             }
         } else {
             units = 0;
         }
-        Grant { units, granted_at: now, binding }
+        Grant { units, granted_at: now, hold, binding }
+    }
+
+    /// Gives back `units` of a grant (made at `granted_at`, spendable for `hold`) that
+    /// were not spent, restoring every level exactly as far as they still count.
+    pub fn refund_grant(
+        &self,
+        chain: &Chain<'_>,
+        now: Nanos,
+        granted_at: Nanos,
+        hold: Nanos,
+        units: u64,
+    ) {
+        if units == 0 || chain.unknown_tenant {
+            return;
+        }
+        let mut locked = self.table.lock(chain.keys());
+        for (i, level) in chain.levels().enumerate() {
+            let limit = &level.rule.limit;
+            if locked.get(i, limit).is_some() {
+                let slot = locked.slot_mut(i, limit, now);
+                limit.refund(&mut slot.state, now, limit.grant_stamp(granted_at, hold), units);
+            }
+        }
     }
 
     /// Charges `units` to every level without checking: usage reported after the
@@ -226,20 +255,10 @@ impl Limiter {
         }
     }
 
-    /// Returns `units` charged at `granted_at` to every level (an estimate that was
-    /// too high, or tokens a lease did not use).
+    /// Returns `units` charged at `granted_at` by a decision to every level (an
+    /// estimate that was too high).
     pub fn refund(&self, chain: &Chain<'_>, now: Nanos, granted_at: Nanos, units: u64) {
-        if units == 0 || chain.unknown_tenant {
-            return;
-        }
-        let mut locked = self.table.lock(chain.keys());
-        for (i, level) in chain.levels().enumerate() {
-            let limit = &level.rule.limit;
-            if locked.get(i, limit).is_some() {
-                let slot = locked.slot_mut(i, limit, now);
-                limit.refund(&mut slot.state, now, granted_at, units);
-            }
-        }
+        self.refund_grant(chain, now, granted_at, 0, units);
     }
 
     /// Settles a request admitted on an estimate once its actual cost is known: the

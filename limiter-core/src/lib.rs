@@ -15,6 +15,7 @@ pub mod decision;
 pub mod error;
 pub mod hierarchy;
 pub mod key;
+pub mod lease;
 pub mod limit;
 pub mod policy;
 pub mod rate;

@@ -217,7 +217,7 @@ fn grants_take_the_same_units_from_every_level() {
     let p = policy(POLICY);
     let l = Limiter::new(100);
     let chain = p.resolve(&Request::new("t", "/r").with_key("k"), &NameBounds::default()).unwrap();
-    let g = l.grant(&chain, 0, 100);
+    let g = l.grant(&chain, 0, 100, 0);
     assert_eq!((g.units, g.binding), (5, Some(Scope::Key)));
     let left: Vec<u64> = l.inspect(&chain, 0).iter().map(|v| v.remaining).collect();
     assert_eq!(left, vec![95, 45, 15, 5, 0]);

@@ -90,6 +90,10 @@ impl Algorithm for FixedWindow {
     fn is_idle(&self, state: &Self::State, now: Nanos) -> bool {
         self.count(state, now) == 0
     }
+
+    fn grant_hold(&self, now: Nanos, hold: Nanos) -> Nanos {
+        hold.min(self.until_next_window(now))
+    }
 }
 
 #[cfg(test)]

@@ -90,6 +90,24 @@ pub trait Algorithm {
         }
         n
     }
+
+    /// How long units granted at `now` may be spent, at most `hold`: a window
+    /// algorithm's grant ends with its window (units of one window must not be spent
+    /// in the next).
+    fn grant_hold(&self, _now: Nanos, hold: Nanos) -> Nanos {
+        hold
+    }
+
+    /// The instant a grant made at `now` and spendable for `hold` is charged at; what
+    /// a refund of it names. At `now`, except for the sliding log (see there).
+    fn grant_stamp(&self, now: Nanos, _hold: Nanos) -> Nanos {
+        now
+    }
+
+    /// Charges `cost` as of `stamp` (from [`Self::grant_stamp`]).
+    fn charge_at(&self, state: &mut Self::State, now: Nanos, _stamp: Nanos, cost: u64) {
+        self.charge(state, now, cost);
+    }
 }
 
 /// `a / b` for `b > 0`, on the cheap 64-bit divider when both fit (the common case:

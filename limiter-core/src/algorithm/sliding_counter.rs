@@ -160,6 +160,10 @@ impl Algorithm for SlidingCounter {
         let v = self.view(state, now);
         v.prev == 0 && v.curr == 0
     }
+
+    fn grant_hold(&self, now: Nanos, hold: Nanos) -> Nanos {
+        hold.min(self.w() - now % self.w())
+    }
 }
 
 #[cfg(test)]

@@ -5,6 +5,11 @@
 //! log only holds units inside the window, so it has at most `limit` entries; charges
 //! past the limit (reported debts) merge into the newest entry and move it later,
 //! which only ever makes the limit stricter.
+//!
+//! A leased grant may be spent at any time until `now + hold`, so it is logged at that
+//! latest instant (in the future): it then counts against every window that any of
+//! its spends can fall in, and the limit stays exact for leased traffic too, at the
+//! cost of holding the slot for `hold` longer.
 
 use std::collections::VecDeque;
 use std::num::NonZeroU64;
@@ -110,7 +115,7 @@ impl Algorithm for SlidingLog {
         for &(t, units) in state.entries.iter().skip(first) {
             freed += units;
             if freed >= excess {
-                return t + self.window.get() - now;
+                return t.saturating_add(self.window.get()).saturating_sub(now);
             }
         }
         // Unreachable with cost <= limit; answer conservatively anyway.
@@ -119,12 +124,20 @@ impl Algorithm for SlidingLog {
 
     fn reset_after(&self, state: &Self::State, now: Nanos) -> Nanos {
         match state.entries.back() {
-            Some(&(t, _)) if !self.expired(t, now) => t + self.window.get() - now,
+            Some(&(t, _)) if !self.expired(t, now) => t.saturating_add(self.window.get()) - now,
             _ => 0,
         }
     }
 
     fn charge(&self, state: &mut Self::State, now: Nanos, cost: u64) {
+        self.charge_at(state, now, now, cost);
+    }
+
+    fn grant_stamp(&self, now: Nanos, hold: Nanos) -> Nanos {
+        now.saturating_add(hold)
+    }
+
+    fn charge_at(&self, state: &mut Self::State, now: Nanos, stamp: Nanos, cost: u64) {
         self.evict(state, now);
         if cost == 0 {
             return;
@@ -132,12 +145,16 @@ impl Algorithm for SlidingLog {
         state.total = state.total.saturating_add(cost);
         let cap = usize::try_from(self.limit.get()).unwrap_or(usize::MAX);
         let full = state.entries.len() >= cap;
-        match state.entries.back_mut() {
-            Some(last) if last.0 == now || full => {
-                // Merging into a later time only lengthens how long those units count.
-                *last = (now.max(last.0), last.1.saturating_add(cost));
+        // Entries stay sorted by time; a stamp in the future (a lease) may sit between.
+        let at = state.entries.iter().rposition(|&(t, _)| t <= stamp).map_or(0, |i| i + 1);
+        match state.entries.get_mut(at.wrapping_sub(1)) {
+            Some(e) if e.0 == stamp => e.1 = e.1.saturating_add(cost),
+            _ if full => {
+                // Merging into the latest entry only lengthens how long units count.
+                let last = state.entries.back_mut().expect("a full log has entries");
+                *last = (stamp.max(last.0), last.1.saturating_add(cost));
             }
-            _ => state.entries.push_back((now, cost)),
+            _ => state.entries.insert(at, (stamp, cost)),
         }
     }
 

@@ -1,0 +1,175 @@
+//! The owner's book of leases: which batches of units are out, with whom, until when.
+//!
+//! Leases are pre-paid: the units of a grant are debited from every level of its chain
+//! when it is made ([`crate::Limiter::grant`]), so the book never has to charge
+//! anything; it decides what may come back. A holder that returns unspent units before
+//! the lease's end gets them refunded exactly (the caller restores the levels); a lease
+//! that reaches its end is written off as spent, whatever its holder did with it:
+//! under-admission, never overshoot. A lease settles once; a duplicate or late return
+//! refunds nothing.
+
+use std::collections::HashMap;
+
+use crate::clock::Nanos;
+
+/// One lease.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LeaseRecord<K> {
+    /// Who holds it (an agent).
+    pub holder: u64,
+    /// What it was granted for (the caller's chain key).
+    pub key: K,
+    /// Units granted.
+    pub units: u64,
+    /// When it was granted (owner clock).
+    pub granted_at: Nanos,
+    /// How long it may be spent; the owner writes it off at `granted_at + hold`.
+    pub hold: Nanos,
+}
+
+impl<K> LeaseRecord<K> {
+    /// When the owner writes it off.
+    pub fn expires_at(&self) -> Nanos {
+        self.granted_at.saturating_add(self.hold)
+    }
+}
+
+/// How a return was settled.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Settled<K> {
+    /// No such open lease (never granted, already settled, or written off).
+    Unknown,
+    /// The lease had reached its end: written off, nothing refunded.
+    Expired(LeaseRecord<K>),
+    /// Closed; `refund` units (at most the unspent ones) go back to the levels.
+    Closed {
+        /// The lease.
+        record: LeaseRecord<K>,
+        /// Units to restore.
+        refund: u64,
+    },
+}
+
+/// Totals kept by the book.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct LeaseTotals {
+    /// Units granted.
+    pub granted: u64,
+    /// Units refunded by returns.
+    pub returned: u64,
+    /// Units reported spent.
+    pub spent: u64,
+    /// Units written off by expiry (holder gone or silent).
+    pub written_off: u64,
+    /// Units out now.
+    pub outstanding: u64,
+    /// Leases open now.
+    pub open: u64,
+}
+
+/// The open leases of one owner.
+#[derive(Debug)]
+pub struct LeaseBook<K> {
+    next_id: u64,
+    open: HashMap<u64, LeaseRecord<K>>,
+    totals: LeaseTotals,
+}
+
+impl<K> Default for LeaseBook<K> {
+    fn default() -> Self {
+        Self { next_id: 1, open: HashMap::new(), totals: LeaseTotals::default() }
+    }
+}
+
+impl<K: Clone> LeaseBook<K> {
+    /// Records a grant (already debited) and returns its id.
+    pub fn open(&mut self, record: LeaseRecord<K>) -> u64 {
+        let id = self.next_id;
+        self.next_id += 1;
+        self.totals.granted += record.units;
+        self.totals.outstanding += record.units;
+        self.totals.open += 1;
+        self.open.insert(id, record);
+        id
+    }
+
+    /// Settles lease `id` of `holder` at `now`, with `unspent` units handed back.
+    pub fn settle(&mut self, id: u64, holder: u64, now: Nanos, unspent: u64) -> Settled<K> {
+        match self.open.get(&id) {
+            Some(r) if r.holder == holder => {}
+            _ => return Settled::Unknown,
+        }
+        let record = self.open.remove(&id).expect("checked above");
+        self.totals.outstanding -= record.units;
+        self.totals.open -= 1;
+        if now >= record.expires_at() {
+            self.totals.written_off += record.units;
+            return Settled::Expired(record);
+        }
+        let refund = unspent.min(record.units);
+        self.totals.returned += refund;
+        self.totals.spent += record.units - refund;
+        Settled::Closed { record, refund }
+    }
+
+    /// Writes off every lease that has reached its end; returns them.
+    pub fn expire(&mut self, now: Nanos) -> Vec<(u64, LeaseRecord<K>)> {
+        let ids: Vec<u64> =
+            self.open.iter().filter(|(_, r)| now >= r.expires_at()).map(|(id, _)| *id).collect();
+        let mut out = Vec::with_capacity(ids.len());
+        for id in ids {
+            let r = self.open.remove(&id).expect("listed above");
+            self.totals.outstanding -= r.units;
+            self.totals.open -= 1;
+            self.totals.written_off += r.units;
+            out.push((id, r));
+        }
+        out
+    }
+
+    /// The open lease `id`.
+    pub fn get(&self, id: u64) -> Option<&LeaseRecord<K>> {
+        self.open.get(&id)
+    }
+
+    /// Units of leases still spendable at `now` (open and not yet at their end).
+    pub fn live_units(&self, now: Nanos) -> u64 {
+        self.open.values().filter(|r| now < r.expires_at()).map(|r| r.units).sum()
+    }
+
+    /// The book's totals.
+    pub fn totals(&self) -> LeaseTotals {
+        self.totals
+    }
+
+    /// Open leases of `holder`.
+    pub fn held_by(&self, holder: u64) -> usize {
+        self.open.values().filter(|r| r.holder == holder).count()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn rec(units: u64, at: Nanos) -> LeaseRecord<&'static str> {
+        LeaseRecord { holder: 7, key: "k", units, granted_at: at, hold: 100 }
+    }
+
+    #[test]
+    fn returns_refund_once_and_expiry_writes_off() {
+        let mut b = LeaseBook::default();
+        let a = b.open(rec(10, 0));
+        let c = b.open(rec(5, 0));
+        assert_eq!(b.settle(a, 8, 50, 4), Settled::Unknown, "another holder");
+        assert!(matches!(b.settle(a, 7, 50, 40), Settled::Closed { refund: 10, .. }));
+        assert_eq!(b.settle(a, 7, 60, 4), Settled::Unknown, "settled once");
+        assert!(matches!(b.settle(c, 7, 100, 5), Settled::Expired(_)));
+        let t = b.totals();
+        assert_eq!((t.granted, t.returned, t.written_off, t.outstanding, t.open), (15, 10, 5, 0, 0));
+        b.open(rec(3, 200));
+        assert_eq!(b.expire(299).len(), 0);
+        assert_eq!(b.expire(300).len(), 1);
+        assert_eq!(b.totals().written_off, 8);
+    }
+}

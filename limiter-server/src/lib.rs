@@ -13,6 +13,7 @@ pub mod config;
 pub mod convert;
 pub mod envoy;
 pub mod error;
+pub mod lease;
 pub mod metrics;
 pub mod owner;
 pub mod reload;
@@ -34,6 +35,9 @@ use crate::config::ServerConfig;
 use crate::owner::Owner;
 use crate::reload::{LoadError, PolicyHolder};
 use crate::store::Store;
+
+/// How often leases that reached their end are written off.
+const LEASE_EXPIRY_EVERY: std::time::Duration = std::time::Duration::from_millis(500);
 
 /// A configured server, not yet serving.
 #[derive(Debug)]
@@ -117,6 +121,7 @@ impl Server {
                     tokio::select! {
                         () = cancel.cancelled() => return,
                         _ = tick.tick() => owner.sweep(),
+                        () = tokio::time::sleep(LEASE_EXPIRY_EVERY) => owner.leases().expire(owner.clock().now()),
                     }
                 }
             }

@@ -35,6 +35,12 @@ pub const COST_REPORTS: &str = "limiter_cost_reports_total";
 pub const COST_REPORT_UNITS: &str = "limiter_cost_report_units_total";
 /// 1, with the build's `version` as a label.
 pub const BUILD_INFO: &str = "limiter_build_info";
+/// Leased units now out with agents.
+pub const LEASES_OUTSTANDING: &str = "limiter_lease_outstanding_units";
+/// Leases now open.
+pub const LEASES_OPEN: &str = "limiter_leases_open";
+/// Leased units by `fate`: `granted`, `returned`, `spent`, `written_off`.
+pub const LEASE_UNITS: &str = "limiter_lease_units_total";
 /// 1 while the server is ready to serve (policy loaded, not draining).
 pub const READY: &str = "limiter_ready";
 
@@ -79,6 +85,9 @@ fn describe() {
     describe_counter!(COST_REPORT_UNITS, "Units settled after the fact, by direction.");
     describe_gauge!(BUILD_INFO, "Build information.");
     describe_gauge!(READY, "1 while ready to serve.");
+    describe_gauge!(LEASES_OUTSTANDING, "Leased units now out with agents.");
+    describe_gauge!(LEASES_OPEN, "Leases now open.");
+    describe_counter!(LEASE_UNITS, "Leased units by fate: granted, returned, spent, written off.");
 }
 
 /// Which API a decision came through (a label).
@@ -88,6 +97,8 @@ pub enum Api {
     Native,
     /// `envoy.service.ratelimit.v3.RateLimitService`.
     Envoy,
+    /// Direct decisions for agents (the lease protocol).
+    Lease,
 }
 
 impl Api {
@@ -96,6 +107,7 @@ impl Api {
         match self {
             Self::Native => "native",
             Self::Envoy => "envoy",
+            Self::Lease => "lease",
         }
     }
 }
@@ -113,6 +125,7 @@ fn reason_scope(reason: Reason) -> &'static str {
 }
 
 const OUTCOMES: usize = 1 + 2 * Reason::ALL.len();
+const APIS: usize = 3;
 
 /// Decision counters of one policy, created on first use, so that the hot path does
 /// one map lookup and one atomic add instead of building labels per request.
@@ -130,7 +143,7 @@ impl DecisionCounters {
         names.sort_unstable();
         let routes = names.iter().enumerate().map(|(i, n)| (n.clone(), i)).collect();
         names.push("other".into());
-        let counters = (0..2 * names.len() * OUTCOMES).map(|_| OnceLock::new()).collect();
+        let counters = (0..APIS * names.len() * OUTCOMES).map(|_| OnceLock::new()).collect();
         Self { routes, names, counters }
     }
 
@@ -153,10 +166,7 @@ impl DecisionCounters {
                 1 + 2 * i + usize::from(verdict.shadow)
             }
         };
-        let a = match api {
-            Api::Native => 0,
-            Api::Envoy => 1,
-        };
+        let a = api as usize;
         let slot = &self.counters[(a * self.names.len() + r) * OUTCOMES + outcome];
         slot.get_or_init(|| {
             let (decision, reason, scope) = match verdict.decision.reason() {

@@ -15,6 +15,7 @@ use parking_lot::Mutex;
 use crate::config::Limits;
 use crate::error::ServerError;
 use crate::metrics::{self as m, Api};
+use crate::lease::Leases;
 use crate::reload::PolicyHolder;
 use crate::store::Store;
 
@@ -120,7 +121,8 @@ pub struct Owner {
     limits: Limits,
     tickets: Tickets,
     ready: AtomicBool,
-    latency: [Histogram; 2],
+    latency: [Histogram; 3],
+    leases: Leases,
 }
 
 impl std::fmt::Debug for Owner {
@@ -149,10 +151,9 @@ impl Owner {
                 max: limits.max_open_tickets,
             },
             ready: AtomicBool::new(false),
-            latency: [
-                metrics::histogram!(m::DECISION_SECONDS, "api" => Api::Native.as_str()),
-                metrics::histogram!(m::DECISION_SECONDS, "api" => Api::Envoy.as_str()),
-            ],
+            latency: [Api::Native, Api::Envoy, Api::Lease]
+                .map(|a| metrics::histogram!(m::DECISION_SECONDS, "api" => a.as_str())),
+            leases: Leases::default(),
         }
     }
 
@@ -164,6 +165,11 @@ impl Owner {
     /// The store.
     pub fn store(&self) -> &Store {
         &self.store
+    }
+
+    /// The lease book.
+    pub fn leases(&self) -> &Leases {
+        &self.leases
     }
 
     /// The clock decisions are made on.
@@ -265,7 +271,7 @@ impl Owner {
             }
         }
         let per = (self.clock.now().saturating_sub(started)) as f64 / NANOS_PER_SEC as f64;
-        self.latency[usize::from(api == Api::Envoy)].record(per / requests.len().max(1) as f64);
+        self.latency[api as usize].record(per / requests.len().max(1) as f64);
         Ok(outcomes)
     }
 
@@ -314,6 +320,7 @@ impl Owner {
 
     /// Drops idle counters and publishes store gauges.
     pub fn sweep(&self) {
+        self.leases.expire(self.clock.now());
         let dropped = self.store.sweep(self.clock.now());
         tracing::trace!(dropped, "swept idle counters");
         self.sweep_stats();

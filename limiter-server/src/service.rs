@@ -95,6 +95,22 @@ impl RateLimiter for NativeService {
         }))
     }
 
+    async fn lease(
+        &self,
+        request: Request<pb::LeaseRequest>,
+    ) -> Result<Response<pb::LeaseResponse>, Status> {
+        let r = request.into_inner();
+        let max = self.owner.limits().max_batch;
+        if r.items.len() > max {
+            return Err(refuse(ServerError::TooLarge { what: "items", got: r.items.len(), max }));
+        }
+        let grants = self.owner.lease(&r.agent_id, &r.items).await.map_err(|(i, e)| {
+            Owner::count_invalid(Api::Lease, &e);
+            Status::invalid_argument(format!("items[{i}]: {}", Status::from(e).message()))
+        })?;
+        Ok(Response::new(pb::LeaseResponse { grants }))
+    }
+
     async fn ping(
         &self,
         _: Request<pb::PingRequest>,

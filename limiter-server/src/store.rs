@@ -5,7 +5,7 @@
 use limiter_core::clock::Nanos;
 use limiter_core::policy::Chain;
 use limiter_core::table::{StateTable, TableStats};
-use limiter_core::{Limiter, Verdict};
+use limiter_core::{Grant, Limiter, Verdict};
 
 use crate::error::ServerError;
 
@@ -64,6 +64,42 @@ impl Store {
     ) -> Result<(), ServerError> {
         match self {
             Self::Memory(l) => l.refund(chain, now, granted_at, units),
+        }
+        Ok(())
+    }
+
+    /// Grants up to `max` units from every level, spendable for at most `hold`.
+    ///
+    /// # Errors
+    ///
+    /// When the store cannot be reached.
+    pub async fn grant(
+        &self,
+        chain: &Chain<'_>,
+        now: Nanos,
+        max: u64,
+        hold: Nanos,
+    ) -> Result<Grant, ServerError> {
+        match self {
+            Self::Memory(l) => Ok(l.grant(chain, now, max, hold)),
+        }
+    }
+
+    /// Gives back `units` of a grant made at `granted_at` for `hold`.
+    ///
+    /// # Errors
+    ///
+    /// When the store cannot be reached.
+    pub async fn refund_grant(
+        &self,
+        chain: &Chain<'_>,
+        now: Nanos,
+        granted_at: Nanos,
+        hold: Nanos,
+        units: u64,
+    ) -> Result<(), ServerError> {
+        match self {
+            Self::Memory(l) => l.refund_grant(chain, now, granted_at, hold, units),
         }
         Ok(())
     }

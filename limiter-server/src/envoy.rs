@@ -17,7 +17,7 @@ use std::sync::Arc;
 
 use limiter_core::clock::{NANOS_PER_SEC, Nanos};
 use limiter_core::policy::Request;
-use limiter_core::{Decision, Limit};
+use limiter_core::{Decision, Limit, headers};
 use limiter_proto::envoy::config::core::v3::HeaderValue;
 use limiter_proto::envoy::extensions::common::ratelimit::v3::RateLimitDescriptor;
 use limiter_proto::envoy::service::ratelimit::v3 as rls;
@@ -30,9 +30,6 @@ use crate::convert::duration;
 use crate::error::ServerError;
 use crate::metrics::Api;
 use crate::owner::{Outcome, Owner};
-
-/// The header carrying our stable reason on an over-limit answer.
-pub const REASON_HEADER: &str = "x-ratelimit-reason";
 
 /// `envoy.service.ratelimit.v3.RateLimitService` over an [`Owner`].
 #[derive(Debug, Clone)]
@@ -140,28 +137,6 @@ fn envoy_limit(quota: u64, window: Nanos) -> (u32, Unit) {
     (1, Unit::Week)
 }
 
-/// A Structured Field string: printable ASCII, quotes and backslashes escaped.
-fn sf_string(s: &str) -> String {
-    let mut out = String::with_capacity(s.len() + 2);
-    out.push('"');
-    for c in s.chars() {
-        match c {
-            '"' | '\\' => {
-                out.push('\\');
-                out.push(c);
-            }
-            ' '..='~' => out.push(c),
-            _ => out.push('_'),
-        }
-    }
-    out.push('"');
-    out
-}
-
-fn seconds_ceil(n: Nanos) -> u64 {
-    n.div_ceil(NANOS_PER_SEC)
-}
-
 /// What one descriptor reports: its limit, remaining units and wait.
 fn status(o: &Outcome) -> (DescriptorStatus, Option<(String, Limit, u64, Nanos)>) {
     let name = o.limit_name.as_deref().unwrap_or("limit").to_owned();
@@ -207,10 +182,10 @@ fn answer(outcomes: &[Outcome]) -> rls::RateLimitResponse {
         statuses.push(st);
         if let Some((name, l, remaining, wait)) = limit {
             let (q, w) = l.quota();
-            let policy = format!("{};q={q};w={}", sf_string(&name), seconds_ceil(w).max(1));
+            let policy = headers::policy_item(&name, q, w);
             if !policies.contains(&policy) {
                 policies.push(policy);
-                limits.push(format!("{};r={remaining};t={}", sf_string(&name), seconds_ceil(wait)));
+                limits.push(headers::limit_item(&name, remaining, wait));
             }
             if over {
                 retry = Some(retry.unwrap_or(0).max(wait));
@@ -221,21 +196,21 @@ fn answer(outcomes: &[Outcome]) -> rls::RateLimitResponse {
         }
     }
     let over = statuses.iter().any(|s| s.code == i32::from(Code::OverLimit));
-    let mut headers = Vec::new();
+    let mut fields = Vec::new();
     if !policies.is_empty() {
-        headers.push(header("RateLimit-Policy", policies.join(", ")));
-        headers.push(header("RateLimit", limits.join(", ")));
+        fields.push(header("RateLimit-Policy", policies.join(", ")));
+        fields.push(header("RateLimit", limits.join(", ")));
     }
     if over {
-        headers.push(header("Retry-After", seconds_ceil(retry.unwrap_or(0)).max(1).to_string()));
+        fields.push(header("Retry-After", headers::retry_after(retry.unwrap_or(0))));
         if let Some(r) = reason {
-            headers.push(header(REASON_HEADER, r.as_str().to_owned()));
+            fields.push(header(headers::REASON_HEADER, r.as_str().to_owned()));
         }
     }
     rls::RateLimitResponse {
         overall_code: if over { Code::OverLimit } else { Code::Ok }.into(),
         statuses,
-        response_headers_to_add: headers,
+        response_headers_to_add: fields,
         ..Default::default()
     }
 }
@@ -311,8 +286,4 @@ mod tests {
         assert_eq!(envoy_limit(1, 10 * NANOS_PER_SEC), (6, Unit::Minute));
     }
 
-    #[test]
-    fn structured_strings_are_escaped() {
-        assert_eq!(sf_string(r#"a"b\c é"#), r#""a\"b\\c _""#);
-    }
 }

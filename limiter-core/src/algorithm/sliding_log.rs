@@ -9,7 +9,7 @@
 //! A leased grant may be spent at any time until `now + hold`, so it is logged at that
 //! latest instant (in the future): it then counts against every window that any of
 //! its spends can fall in, and the limit stays exact for leased traffic too, at the
-//! cost of holding the slot for `hold` longer.
+//! cost of holding the slot for `hold` longer (holds are capped at `W / 40`).
 
 use std::collections::VecDeque;
 use std::num::NonZeroU64;
@@ -131,6 +131,12 @@ impl Algorithm for SlidingLog {
 
     fn charge(&self, state: &mut Self::State, now: Nanos, cost: u64) {
         self.charge_at(state, now, now, cost);
+    }
+
+    /// A grant holds its slot for `hold` beyond the window, so holds are kept to a
+    /// fortieth of the window: leased traffic then uses at least 97.5% of the limit.
+    fn grant_hold(&self, _now: Nanos, hold: Nanos) -> Nanos {
+        hold.min(self.window.get() / 40)
     }
 
     fn grant_stamp(&self, now: Nanos, hold: Nanos) -> Nanos {

@@ -1,0 +1,3 @@
+//! x
+#![allow(missing_docs)]
+fn main(){}

@@ -1,0 +1,723 @@
+//! The agent: local decisions from leased balances, a slow path to the owner, a
+//! background renewer, and the failure policy when the owner cannot be reached.
+
+use std::collections::HashMap;
+use std::hash::{Hash, Hasher};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Weak};
+use std::time::Duration;
+
+use arc_swap::ArcSwap;
+use hashbrown::Equivalent;
+use limiter_core::algorithm::{Algorithm, Check, TokenBucket, TokenBucketState};
+use limiter_core::clock::{Clock, MonotonicClock, NANOS_PER_SEC, Nanos};
+use limiter_core::policy::FailurePolicy;
+use limiter_core::rate::Rate;
+use limiter_core::{Reason, Scope};
+use limiter_proto::limiter::v1 as pb;
+use limiter_proto::limiter::v1::rate_limiter_client::RateLimiterClient;
+use parking_lot::Mutex;
+use tokio_util::sync::CancellationToken;
+use tonic::transport::Channel;
+
+use crate::config::AgentConfig;
+use crate::error::AgentError;
+use crate::slot::{Balance, Spend};
+
+/// Where a decision was made.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Source {
+    /// From the local leased balance.
+    Local,
+    /// By the owner (a grant for a waiting request, or a direct decision).
+    Owner,
+    /// By the route's failure policy (owner unreachable).
+    Fallback,
+}
+
+/// A limit as the agent reports it (for headers).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LimitInfo {
+    /// Its name.
+    pub name: String,
+    /// Units per window.
+    pub quota: u64,
+    /// The window.
+    pub window: Nanos,
+}
+
+/// The agent's answer.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Outcome {
+    /// Whether the request goes through.
+    pub allowed: bool,
+    /// Why not (or, in shadow mode, why it would not have).
+    pub reason: Option<Reason>,
+    /// The level that decided, when known.
+    pub scope: Option<Scope>,
+    /// Units left (locally, for a local decision).
+    pub remaining: u64,
+    /// When rejected: how long until the same request could be admitted.
+    pub retry_after: Nanos,
+    /// The binding limit, when the owner said.
+    pub limit: Option<LimitInfo>,
+    /// Where it was decided.
+    pub source: Source,
+}
+
+impl Outcome {
+    fn local(remaining: u64) -> Self {
+        Self {
+            allowed: true,
+            reason: None,
+            scope: None,
+            remaining,
+            retry_after: 0,
+            limit: None,
+            source: Source::Local,
+        }
+    }
+
+    fn rejected(reason: Reason, retry_after: Nanos, source: Source) -> Self {
+        Self {
+            allowed: false,
+            reason: Some(reason),
+            scope: None,
+            remaining: 0,
+            retry_after,
+            limit: None,
+            source,
+        }
+    }
+}
+
+/// One request as the agent sees it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct AgentRequest<'a> {
+    /// Tenant.
+    pub tenant: &'a str,
+    /// Route.
+    pub route: &'a str,
+    /// Key, if any.
+    pub key: Option<&'a str>,
+    /// Units; at least 1.
+    pub cost: u64,
+}
+
+/// Counters of what the agent did.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct AgentStats {
+    /// Decisions made from the local balance.
+    pub local: u64,
+    /// Decisions that needed the owner (slow path).
+    pub slow: u64,
+    /// Decisions made by the failure policy.
+    pub fallback: u64,
+    /// Calls to the owner (slow path and renewals).
+    pub owner_calls: u64,
+    /// Calls that failed or timed out.
+    pub failed_calls: u64,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+struct SlotKey {
+    tenant: Box<str>,
+    route: Box<str>,
+    key: Box<str>,
+}
+
+/// The borrowed form a request looks a slot up with (no allocation).
+#[derive(Hash)]
+struct SlotRef<'a> {
+    tenant: &'a str,
+    route: &'a str,
+    key: &'a str,
+}
+
+impl Equivalent<SlotKey> for SlotRef<'_> {
+    fn equivalent(&self, k: &SlotKey) -> bool {
+        *k.tenant == *self.tenant && *k.route == *self.route && *k.key == *self.key
+    }
+}
+
+// `SlotKey` must hash exactly like `SlotRef`: the same three strs in order.
+fn hash_parts<H: Hasher>(t: &str, r: &str, k: &str, h: &mut H) {
+    t.hash(h);
+    r.hash(h);
+    k.hash(h);
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct HashedKey(SlotKey);
+
+impl Hash for HashedKey {
+    fn hash<H: Hasher>(&self, h: &mut H) {
+        hash_parts(&self.0.tenant, &self.0.route, &self.0.key, h);
+    }
+}
+
+impl Equivalent<HashedKey> for SlotRef<'_> {
+    fn equivalent(&self, k: &HashedKey) -> bool {
+        self.equivalent(&k.0)
+    }
+}
+
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+enum Mode {
+    #[default]
+    Unknown,
+    Leased,
+    Direct,
+}
+
+/// The slow-path side of a key's lease (behind an async mutex: one owner call per
+/// key at a time).
+#[derive(Debug, Default)]
+struct LeaseState {
+    lease_id: u64,
+    sent_at: Nanos,
+    hold: Nanos,
+    mode: Mode,
+    last_renew: Nanos,
+    demand_per_sec: u64,
+}
+
+#[derive(Debug)]
+struct Slot {
+    key: SlotKey,
+    balance: Balance,
+    last_used: AtomicU64,
+    lease: Arc<tokio::sync::Mutex<LeaseState>>,
+}
+
+type SlotMap = hashbrown::HashMap<HashedKey, Arc<Slot>>;
+
+/// A circuit breaker over calls to the owner.
+#[derive(Debug)]
+struct Breaker {
+    failures: AtomicU64,
+    open_until: AtomicU64,
+    threshold: u64,
+    probe_every: Nanos,
+}
+
+impl Breaker {
+    fn tripped(&self) -> bool {
+        self.failures.load(Ordering::Acquire) >= self.threshold
+    }
+
+    /// Whether a call may go out now: closed, or open and due for one probe.
+    fn allow(&self, now: Nanos) -> bool {
+        if !self.tripped() {
+            return true;
+        }
+        let until = self.open_until.load(Ordering::Acquire);
+        now >= until
+            && self
+                .open_until
+                .compare_exchange(until, now + self.probe_every, Ordering::AcqRel, Ordering::Acquire)
+                .is_ok()
+    }
+
+    fn success(&self) {
+        if self.failures.swap(0, Ordering::AcqRel) >= self.threshold {
+            tracing::info!("owner reachable again: leaving fallback mode");
+            metrics::gauge!(crate::FALLBACK).set(0.0);
+        }
+    }
+
+    fn failure(&self, now: Nanos) {
+        let n = self.failures.fetch_add(1, Ordering::AcqRel) + 1;
+        if n >= self.threshold {
+            self.open_until.store(now + self.probe_every, Ordering::Release);
+            if n == self.threshold {
+                tracing::warn!("owner unreachable: routes follow their failure policy");
+                metrics::gauge!(crate::FALLBACK).set(1.0);
+            }
+        }
+    }
+}
+
+struct Inner {
+    config: AgentConfig,
+    clock: Arc<dyn Clock>,
+    client: RateLimiterClient<Channel>,
+    slots: ArcSwap<SlotMap>,
+    slots_write: Mutex<()>,
+    breaker: Breaker,
+    /// Failure policies learned from the owner's grants, by route.
+    routes: Mutex<HashMap<Box<str>, FailurePolicy>>,
+    /// Emergency ceilings of fail-open routes, by route.
+    ceilings: Mutex<HashMap<Box<str>, (TokenBucket, TokenBucketState)>>,
+    wake: Arc<tokio::sync::Notify>,
+    cancel: CancellationToken,
+    stats: [AtomicU64; 5],
+}
+
+impl Drop for Inner {
+    fn drop(&mut self) {
+        self.cancel.cancel();
+    }
+}
+
+const LOCAL: usize = 0;
+const SLOW: usize = 1;
+const FALLBACK: usize = 2;
+const CALLS: usize = 3;
+const FAILED: usize = 4;
+
+/// An embedded rate-limit agent; cheap to clone.
+///
+/// Dropping every clone stops its background task without returning its leases
+/// (like a crash: the owner writes them off at their end); call
+/// [`Agent::shutdown`] to give them back first.
+#[derive(Clone)]
+pub struct Agent {
+    inner: Arc<Inner>,
+}
+
+impl std::fmt::Debug for Agent {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Agent").field("id", &self.inner.config.agent_id).finish_non_exhaustive()
+    }
+}
+
+fn nanos(d: Duration) -> Nanos {
+    u64::try_from(d.as_nanos()).unwrap_or(u64::MAX)
+}
+
+fn duration_nanos(d: Option<&prost_types::Duration>) -> Nanos {
+    d.map_or(0, |d| {
+        u64::try_from(d.seconds).unwrap_or(0) * NANOS_PER_SEC + u64::try_from(d.nanos).unwrap_or(0)
+    })
+}
+
+fn reason(r: pb::Reason) -> Option<Reason> {
+    Some(match r {
+        pb::Reason::Unspecified => return None,
+        pb::Reason::GlobalCeiling => Reason::GlobalCeiling,
+        pb::Reason::RouteLimit => Reason::RouteLimit,
+        pb::Reason::TenantLimit => Reason::TenantLimit,
+        pb::Reason::TenantRouteLimit => Reason::TenantRouteLimit,
+        pb::Reason::KeyLimit => Reason::KeyLimit,
+        pb::Reason::EmergencyCeiling => Reason::EmergencyCeiling,
+        pb::Reason::LimiterUnavailable => Reason::LimiterUnavailable,
+        pb::Reason::UnknownTenant => Reason::UnknownTenant,
+    })
+}
+
+fn scope(s: pb::Scope) -> Option<Scope> {
+    Some(match s {
+        pb::Scope::Unspecified => return None,
+        pb::Scope::Global => Scope::Global,
+        pb::Scope::Route => Scope::Route,
+        pb::Scope::Tenant => Scope::Tenant,
+        pb::Scope::TenantRoute => Scope::TenantRoute,
+        pb::Scope::Key => Scope::Key,
+    })
+}
+
+/// The agent's outcome for an owner's decision.
+fn from_owner(d: &pb::ShouldAllowResponse) -> Outcome {
+    Outcome {
+        allowed: d.allowed,
+        reason: reason(d.reason()),
+        scope: scope(d.scope()),
+        remaining: d.remaining,
+        retry_after: duration_nanos(d.retry_after.as_ref()),
+        limit: d.limit.as_ref().map(|l| LimitInfo {
+            name: l.name.clone(),
+            quota: l.quota,
+            window: duration_nanos(l.window.as_ref()),
+        }),
+        source: Source::Owner,
+    }
+}
+
+fn failure_policy(p: &pb::FailurePolicy) -> FailurePolicy {
+    let period = duration_nanos(p.emergency_period.as_ref());
+    match Rate::try_new(p.emergency_amount, period) {
+        Ok(rate) if p.fail_open => FailurePolicy::FailOpen { emergency_ceiling: rate },
+        _ => FailurePolicy::FailClosed,
+    }
+}
+
+impl Agent {
+    /// An agent for `config` on the production clock. Connects lazily: the owner
+    /// may be down at start (requests then follow their failure policy).
+    ///
+    /// # Errors
+    ///
+    /// An invalid owner endpoint.
+    pub fn new(config: AgentConfig) -> Result<Self, AgentError> {
+        Self::with_clock(config, Arc::new(MonotonicClock::new()))
+    }
+
+    /// Like [`Agent::new`] with a given clock. Must be called within a tokio runtime.
+    ///
+    /// # Errors
+    ///
+    /// An invalid owner endpoint.
+    pub fn with_clock(config: AgentConfig, clock: Arc<dyn Clock>) -> Result<Self, AgentError> {
+        let endpoint = tonic::transport::Endpoint::from_shared(config.owner.clone())
+            .map_err(|_| AgentError::Endpoint(config.owner.clone()))?
+            .connect_timeout(config.rpc_timeout)
+            .tcp_nodelay(true);
+        let client = RateLimiterClient::new(endpoint.connect_lazy());
+        let inner = Arc::new(Inner {
+            breaker: Breaker {
+                failures: AtomicU64::new(0),
+                open_until: AtomicU64::new(0),
+                threshold: u64::from(config.breaker_threshold.max(1)),
+                probe_every: nanos(config.probe_interval),
+            },
+            config,
+            clock,
+            client,
+            slots: ArcSwap::default(),
+            slots_write: Mutex::new(()),
+            routes: Mutex::default(),
+            ceilings: Mutex::default(),
+            wake: Arc::new(tokio::sync::Notify::new()),
+            cancel: CancellationToken::new(),
+            stats: Default::default(),
+        });
+        tokio::spawn(renew_loop(Arc::downgrade(&inner), inner.wake.clone(), inner.cancel.clone()));
+        Ok(Self { inner })
+    }
+
+    /// What the agent did so far.
+    pub fn stats(&self) -> AgentStats {
+        let s = |i: usize| self.inner.stats[i].load(Ordering::Relaxed);
+        AgentStats {
+            local: s(LOCAL),
+            slow: s(SLOW),
+            fallback: s(FALLBACK),
+            owner_calls: s(CALLS),
+            failed_calls: s(FAILED),
+        }
+    }
+
+    /// Whether the owner is considered unreachable (routes follow their policy).
+    pub fn in_fallback(&self) -> bool {
+        self.inner.breaker.tripped()
+    }
+
+    /// The fast path: a decision from the local balance, or `None` when the owner is
+    /// needed. Atomics only: no lock, no allocation, no await.
+    #[inline]
+    pub fn decide_local(&self, req: &AgentRequest<'_>) -> Option<Outcome> {
+        let slots = self.inner.slots.load();
+        let slot = slots.get(&SlotRef {
+            tenant: req.tenant,
+            route: req.route,
+            key: req.key.unwrap_or(""),
+        })?;
+        let now = self.inner.clock.now();
+        match slot.balance.try_spend(now, req.cost) {
+            Spend::Hit { remaining, renew } => {
+                // Relaxed: statistics and an idleness hint.
+                slot.last_used.store(now, Ordering::Relaxed);
+                self.inner.stats[LOCAL].fetch_add(1, Ordering::Relaxed);
+                if renew {
+                    self.inner.wake.notify_one();
+                }
+                Some(Outcome::local(remaining))
+            }
+            Spend::Miss => None,
+        }
+    }
+
+    /// Decides a request: locally when the balance allows, else through the owner
+    /// (within the RPC timeout), else by the route's failure policy.
+    ///
+    /// # Errors
+    ///
+    /// A request that can never succeed (zero cost, empty names, a cost above a
+    /// limit's capacity).
+    pub async fn decide(&self, req: &AgentRequest<'_>) -> Result<Outcome, AgentError> {
+        if req.cost == 0 {
+            return Err(AgentError::Invalid("cost must be at least 1".to_owned()));
+        }
+        if req.tenant.is_empty() || req.route.is_empty() {
+            return Err(AgentError::Invalid("tenant and route must not be empty".to_owned()));
+        }
+        if let Some(o) = self.decide_local(req) {
+            return Ok(o);
+        }
+        let slot = self.slot(req);
+        self.inner.slow(&slot, req.cost).await
+    }
+
+    fn slot(&self, req: &AgentRequest<'_>) -> Arc<Slot> {
+        let r = SlotRef { tenant: req.tenant, route: req.route, key: req.key.unwrap_or("") };
+        if let Some(s) = self.inner.slots.load().get(&r) {
+            return s.clone();
+        }
+        let _w = self.inner.slots_write.lock();
+        let current = self.inner.slots.load_full();
+        if let Some(s) = current.get(&r) {
+            return s.clone();
+        }
+        let key = SlotKey { tenant: req.tenant.into(), route: req.route.into(), key: r.key.into() };
+        let slot = Arc::new(Slot {
+            key: key.clone(),
+            balance: Balance::default(),
+            last_used: AtomicU64::new(self.inner.clock.now()),
+            lease: Arc::default(),
+        });
+        // Copy-on-write: readers keep a lock-free view; new keys are rare.
+        let mut next = SlotMap::clone(&current);
+        next.insert(HashedKey(key), slot.clone());
+        self.inner.slots.store(Arc::new(next));
+        slot
+    }
+
+    /// Gives every held balance back to the owner (a stopping gateway).
+    pub async fn shutdown(&self) {
+        self.inner.cancel.cancel();
+        let slots = self.inner.slots.load_full();
+        let mut items = Vec::new();
+        let mut guards = Vec::new();
+        for slot in slots.values() {
+            let mut g = slot.lease.clone().lock_owned().await;
+            if g.lease_id != 0 {
+                let unspent = slot.balance.clear();
+                items.push(self.inner.item(slot, g.lease_id, unspent, 0, 0, 0));
+                g.lease_id = 0;
+            }
+            guards.push(g);
+        }
+        if !items.is_empty() {
+            let _ = self.inner.call(items).await;
+        }
+    }
+}
+
+impl Inner {
+    fn item(&self, slot: &Slot, lease_id: u64, unspent: u64, want: u64, cost: u64, demand: u64) -> pb::LeaseItem {
+        pb::LeaseItem {
+            tenant: slot.key.tenant.to_string(),
+            route: slot.key.route.to_string(),
+            key: slot.key.key.to_string(),
+            lease_id,
+            unspent,
+            want,
+            cost,
+            demand_per_sec: demand,
+        }
+    }
+
+    /// One call to the owner, with the RPC timeout; counts failures on the breaker.
+    async fn call(&self, items: Vec<pb::LeaseItem>) -> Result<Vec<pb::LeaseGrant>, tonic::Status> {
+        self.stats[CALLS].fetch_add(1, Ordering::Relaxed);
+        let n = items.len();
+        let mut client = self.client.clone();
+        let req = pb::LeaseRequest { agent_id: self.config.agent_id.clone(), items };
+        let result = match tokio::time::timeout(self.config.rpc_timeout, client.lease(req)).await {
+            Ok(Ok(r)) if r.get_ref().grants.len() == n => Ok(r.into_inner().grants),
+            Ok(Ok(_)) => Err(tonic::Status::internal("owner answered the wrong number of grants")),
+            Ok(Err(s)) => Err(s),
+            Err(_) => Err(tonic::Status::deadline_exceeded("owner did not answer in time")),
+        };
+        match &result {
+            Ok(_) => self.breaker.success(),
+            // A malformed request is ours, not the owner's trouble.
+            Err(s) if s.code() == tonic::Code::InvalidArgument => self.breaker.success(),
+            Err(_) => {
+                self.stats[FAILED].fetch_add(1, Ordering::Relaxed);
+                self.breaker.failure(self.clock.now());
+            }
+        }
+        result
+    }
+
+    /// Units to ask for: two renewal intervals of demand, at least `cost`.
+    fn want(&self, demand_per_sec: u64, cost: u64) -> u64 {
+        let per_interval = u128::from(demand_per_sec) * u128::from(nanos(self.config.renew_interval))
+            / u128::from(NANOS_PER_SEC);
+        u64::try_from(2 * per_interval).unwrap_or(u64::MAX).max(cost).max(1)
+    }
+
+    /// Installs a grant; `consume` units of it go to the request that waited for it.
+    fn install(&self, slot: &Slot, st: &mut LeaseState, g: &pb::LeaseGrant, sent_at: Nanos, consume: u64) {
+        if let Some(p) = &g.on_failure {
+            self.routes.lock().insert(slot.key.route.clone(), failure_policy(p));
+        }
+        st.last_renew = sent_at;
+        if g.mode() == pb::LeaseMode::Direct {
+            st.mode = Mode::Direct;
+            st.lease_id = 0;
+            slot.balance.clear();
+            return;
+        }
+        st.mode = Mode::Leased;
+        st.lease_id = g.lease_id;
+        if g.units == 0 {
+            slot.balance.clear();
+            return;
+        }
+        let hold = duration_nanos(g.hold.as_ref());
+        #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss, clippy::cast_precision_loss)]
+        let margin = (hold as f64 * self.config.deadline_margin) as u64;
+        st.sent_at = sent_at;
+        st.hold = hold;
+        let deadline = sent_at + hold.saturating_sub(margin.max(1));
+        slot.balance.install(g.units - consume, deadline, (g.units / 4).max(1));
+    }
+
+    fn fallback(&self, route: &str, cost: u64) -> Outcome {
+        self.stats[FALLBACK].fetch_add(1, Ordering::Relaxed);
+        let policy = self
+            .routes
+            .lock()
+            .get(route)
+            .copied()
+            .or_else(|| self.config.routes.get(route).copied())
+            .unwrap_or(self.config.default_failure);
+        match policy {
+            FailurePolicy::FailClosed => {
+                Outcome::rejected(Reason::LimiterUnavailable, 0, Source::Fallback)
+            }
+            FailurePolicy::FailOpen { emergency_ceiling } => {
+                let now = self.clock.now();
+                let mut ceilings = self.ceilings.lock();
+                let (bucket, state) = ceilings.entry(route.into()).or_insert_with(|| {
+                    (TokenBucket::new(emergency_ceiling, emergency_ceiling.amount()), TokenBucketState::default())
+                });
+                if bucket.rate() != emergency_ceiling {
+                    *bucket = TokenBucket::new(emergency_ceiling, emergency_ceiling.amount());
+                }
+                match bucket.try_acquire(state, now, cost.min(bucket.capacity().max(1))) {
+                    Check::Admit { remaining } if cost <= bucket.capacity() => Outcome {
+                        remaining,
+                        source: Source::Fallback,
+                        ..Outcome::local(remaining)
+                    },
+                    Check::Deny { retry_after } => {
+                        Outcome::rejected(Reason::EmergencyCeiling, retry_after, Source::Fallback)
+                    }
+                    Check::Admit { .. } => Outcome::rejected(Reason::EmergencyCeiling, 0, Source::Fallback),
+                }
+            }
+        }
+    }
+
+    /// The slow path: one owner call for this key (others wait for it, then retry
+    /// locally), or the failure policy.
+    async fn slow(&self, slot: &Arc<Slot>, cost: u64) -> Result<Outcome, AgentError> {
+        let mut st = slot.lease.lock().await;
+        let now = self.clock.now();
+        slot.last_used.store(now, Ordering::Relaxed);
+        if let Spend::Hit { remaining, .. } = slot.balance.try_spend(now, cost) {
+            self.stats[LOCAL].fetch_add(1, Ordering::Relaxed);
+            return Ok(Outcome::local(remaining));
+        }
+        self.stats[SLOW].fetch_add(1, Ordering::Relaxed);
+        if !self.breaker.allow(now) {
+            return Ok(self.fallback(&slot.key.route, cost));
+        }
+        let unspent = slot.balance.take();
+        let elapsed = now.saturating_sub(st.last_renew).max(1);
+        let spent = slot.balance.take_spent();
+        let demand = u64::try_from(u128::from(spent) * u128::from(NANOS_PER_SEC) / u128::from(elapsed))
+            .unwrap_or(u64::MAX)
+            .max(st.demand_per_sec / 2);
+        st.demand_per_sec = demand;
+        let want = if st.mode == Mode::Direct { 0 } else { self.want(demand, cost) };
+        let item = self.item(slot, st.lease_id, unspent, want, cost, demand);
+        st.lease_id = 0;
+        match self.call(vec![item]).await {
+            Ok(grants) => {
+                let g = &grants[0];
+                if g.mode() == pb::LeaseMode::Direct {
+                    self.install(slot, &mut st, g, now, 0);
+                    return Ok(g.decision.as_ref().map_or_else(
+                        || Outcome::rejected(Reason::LimiterUnavailable, 0, Source::Owner),
+                        from_owner,
+                    ));
+                }
+                if g.units >= cost && g.units > 0 {
+                    self.install(slot, &mut st, g, now, cost);
+                    Ok(Outcome { source: Source::Owner, ..Outcome::local(g.units - cost) })
+                } else {
+                    self.install(slot, &mut st, g, now, 0);
+                    Ok(g.decision.as_ref().map_or_else(
+                        || Outcome::rejected(Reason::LimiterUnavailable, 0, Source::Owner),
+                        from_owner,
+                    ))
+                }
+            }
+            Err(s) if s.code() == tonic::Code::InvalidArgument => {
+                Err(AgentError::Invalid(s.message().to_owned()))
+            }
+            Err(_) => Ok(self.fallback(&slot.key.route, cost)),
+        }
+    }
+}
+
+/// The background renewer: one call in flight to the owner at a time, carrying
+/// every key that is due (low on units, half way through its lease, or idle).
+async fn renew_loop(inner: Weak<Inner>, wake: Arc<tokio::sync::Notify>, cancel: CancellationToken) {
+    let mut jitter: u64 = 0x9e37_79b9_7f4a_7c15;
+    loop {
+        let Some(interval) = inner.upgrade().map(|i| nanos(i.config.renew_interval)) else { return };
+        // xorshift: ±10% jitter without a random-number dependency.
+        jitter ^= jitter << 13;
+        jitter ^= jitter >> 7;
+        jitter ^= jitter << 17;
+        let wait = interval - interval / 10 + jitter % (interval / 5).max(1);
+        tokio::select! {
+            () = cancel.cancelled() => return,
+            () = tokio::time::sleep(Duration::from_nanos(wait)) => {}
+            () = wake.notified() => {}
+        }
+        let Some(inner) = inner.upgrade() else { return };
+        renew_due(&inner).await;
+    }
+}
+
+async fn renew_due(inner: &Inner) {
+    let now = inner.clock.now();
+    if !inner.breaker.allow(now) {
+        return;
+    }
+    let idle_after = nanos(inner.config.idle_after);
+    let slots = inner.slots.load_full();
+    let mut batch = Vec::new();
+    for slot in slots.values() {
+        let Ok(mut st) = slot.lease.clone().try_lock_owned() else { continue };
+        if st.lease_id == 0 {
+            continue;
+        }
+        let idle = now.saturating_sub(slot.last_used.load(Ordering::Relaxed)) > idle_after;
+        let half_way = now.saturating_sub(st.sent_at) > st.hold / 2;
+        let expired = now >= slot.balance.deadline();
+        if !(idle || half_way || expired || slot.balance.renew_wanted()) {
+            continue;
+        }
+        let unspent = slot.balance.take();
+        let elapsed = now.saturating_sub(st.last_renew).max(1);
+        let spent = slot.balance.take_spent();
+        let demand = u64::try_from(u128::from(spent) * u128::from(NANOS_PER_SEC) / u128::from(elapsed))
+            .unwrap_or(u64::MAX)
+            .max(st.demand_per_sec / 2);
+        st.demand_per_sec = demand;
+        let want = if idle { 0 } else { inner.want(demand, 1) };
+        let item = inner.item(slot, st.lease_id, if expired { 0 } else { unspent }, want, 0, demand);
+        st.lease_id = 0;
+        batch.push((slot.clone(), st, item));
+        if batch.len() >= 100 {
+            break;
+        }
+    }
+    if batch.is_empty() {
+        return;
+    }
+    let items = batch.iter().map(|(_, _, i)| i.clone()).collect();
+    if let Ok(grants) = inner.call(items).await {
+        for ((slot, mut st, _), g) in batch.into_iter().zip(&grants) {
+            inner.install(&slot, &mut st, g, now, 0);
+        }
+    }
+}

@@ -1,0 +1,68 @@
+//! The agent's configuration.
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use limiter_core::policy::FailurePolicy;
+
+/// How an agent reaches its owner and behaves when it cannot.
+#[derive(Debug, Clone)]
+pub struct AgentConfig {
+    /// The owner's gRPC endpoint, like `http://127.0.0.1:50051`.
+    pub owner: String,
+    /// This agent's id, stable for its life (leases are settled only by their holder).
+    pub agent_id: String,
+    /// Deadline of one call to the owner.
+    pub rpc_timeout: Duration,
+    /// How often the background task looks for keys to renew (jittered by ±10%).
+    pub renew_interval: Duration,
+    /// A lease is given up this fraction of its hold early (on top of counting from
+    /// when the request was sent), so the agent always stops before the owner.
+    pub deadline_margin: f64,
+    /// Consecutive failed calls that open the circuit breaker.
+    pub breaker_threshold: u32,
+    /// While open, one call is tried this often to see if the owner is back.
+    pub probe_interval: Duration,
+    /// A key unused this long gives its balance back.
+    pub idle_after: Duration,
+    /// Failure policy of routes the owner has not described yet (by route name).
+    pub routes: HashMap<String, FailurePolicy>,
+    /// Failure policy of any other route.
+    pub default_failure: FailurePolicy,
+}
+
+impl AgentConfig {
+    /// Defaults for an owner endpoint and an agent id.
+    pub fn new(owner: impl Into<String>, agent_id: impl Into<String>) -> Self {
+        Self {
+            owner: owner.into(),
+            agent_id: agent_id.into(),
+            rpc_timeout: Duration::from_millis(250),
+            renew_interval: Duration::from_millis(250),
+            deadline_margin: 0.02,
+            breaker_threshold: 2,
+            probe_interval: Duration::from_millis(250),
+            idle_after: Duration::from_secs(2),
+            routes: HashMap::new(),
+            default_failure: FailurePolicy::FailClosed,
+        }
+    }
+
+    /// With a route's local failure policy.
+    pub fn with_route(mut self, route: impl Into<String>, policy: FailurePolicy) -> Self {
+        self.routes.insert(route.into(), policy);
+        self
+    }
+
+    /// With the RPC timeout.
+    pub fn with_rpc_timeout(mut self, t: Duration) -> Self {
+        self.rpc_timeout = t;
+        self
+    }
+
+    /// With the renewal interval.
+    pub fn with_renew_interval(mut self, t: Duration) -> Self {
+        self.renew_interval = t;
+        self
+    }
+}

@@ -1,0 +1,151 @@
+//! A `tower` layer that puts an [`Agent`] in front of an HTTP service.
+//!
+//! The caller says how to read tenant, route, key and cost from a request (or that a
+//! request is not limited). A rejection becomes `429 Too Many Requests` with
+//! `Retry-After`, the `RateLimit` / `RateLimit-Policy` fields when the limit is known,
+//! and the reason in `x-ratelimit-reason`; `LIMITER_UNAVAILABLE` (a fail-closed route
+//! whose owner is unreachable) becomes `503 Service Unavailable`; a request that can
+//! never succeed (a cost above the limit) becomes `400 Bad Request`.
+
+use std::future::Future;
+use std::pin::Pin;
+use std::task::{Context, Poll};
+
+use http::{HeaderValue, Request, Response, StatusCode};
+use limiter_core::Reason;
+use limiter_core::headers;
+use tower::{Layer, Service};
+
+use crate::agent::{Agent, AgentRequest, Outcome};
+
+/// What a request is, for the limiter.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RequestInfo {
+    /// Tenant.
+    pub tenant: String,
+    /// Route.
+    pub route: String,
+    /// Key (API key, user), if any.
+    pub key: Option<String>,
+    /// Units; at least 1.
+    pub cost: u64,
+}
+
+/// Reads [`RequestInfo`] from a request; `None` lets it through unlimited.
+pub trait Classify<B>: Clone + Send + Sync + 'static {
+    /// Classifies `req`.
+    fn classify(&self, req: &Request<B>) -> Option<RequestInfo>;
+}
+
+impl<B, F> Classify<B> for F
+where
+    F: Fn(&Request<B>) -> Option<RequestInfo> + Clone + Send + Sync + 'static,
+{
+    fn classify(&self, req: &Request<B>) -> Option<RequestInfo> {
+        self(req)
+    }
+}
+
+/// The layer.
+#[derive(Debug, Clone)]
+pub struct RateLimitLayer<C> {
+    agent: Agent,
+    classify: C,
+}
+
+impl<C> RateLimitLayer<C> {
+    /// A layer deciding with `agent`, reading requests with `classify`.
+    pub fn new(agent: Agent, classify: C) -> Self {
+        Self { agent, classify }
+    }
+}
+
+impl<S, C: Clone> Layer<S> for RateLimitLayer<C> {
+    type Service = RateLimit<S, C>;
+
+    fn layer(&self, inner: S) -> Self::Service {
+        RateLimit { inner, agent: self.agent.clone(), classify: self.classify.clone() }
+    }
+}
+
+/// The service the layer makes.
+#[derive(Debug, Clone)]
+pub struct RateLimit<S, C> {
+    inner: S,
+    agent: Agent,
+    classify: C,
+}
+
+fn header(v: &str) -> HeaderValue {
+    HeaderValue::from_str(v).unwrap_or_else(|_| HeaderValue::from_static("invalid"))
+}
+
+/// The response for a rejected request.
+pub fn rejection<RB: Default>(o: &Outcome) -> Response<RB> {
+    let status = if o.reason == Some(Reason::LimiterUnavailable) {
+        StatusCode::SERVICE_UNAVAILABLE
+    } else {
+        StatusCode::TOO_MANY_REQUESTS
+    };
+    let mut r = Response::new(RB::default());
+    *r.status_mut() = status;
+    let h = r.headers_mut();
+    if let Some(reason) = o.reason {
+        h.insert(headers::REASON_HEADER, HeaderValue::from_static(reason.as_str()));
+    }
+    if status == StatusCode::TOO_MANY_REQUESTS {
+        h.insert(http::header::RETRY_AFTER, header(&headers::retry_after(o.retry_after)));
+    }
+    if let Some(l) = &o.limit {
+        h.insert("ratelimit-policy", header(&headers::policy_item(&l.name, l.quota, l.window)));
+        h.insert("ratelimit", header(&headers::limit_item(&l.name, o.remaining, o.retry_after)));
+    }
+    r
+}
+
+impl<S, C, B, RB> Service<Request<B>> for RateLimit<S, C>
+where
+    S: Service<Request<B>, Response = Response<RB>> + Clone + Send + 'static,
+    S::Future: Send,
+    B: Send + 'static,
+    RB: Default + Send + 'static,
+    C: Classify<B>,
+{
+    type Response = Response<RB>;
+    type Error = S::Error;
+    type Future = Pin<Box<dyn Future<Output = Result<Self::Response, Self::Error>> + Send>>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, req: Request<B>) -> Self::Future {
+        let info = self.classify.classify(&req);
+        // The clone that was polled ready handles this request.
+        let clone = self.inner.clone();
+        let mut inner = std::mem::replace(&mut self.inner, clone);
+        let agent = self.agent.clone();
+        Box::pin(async move {
+            let Some(info) = info else { return inner.call(req).await };
+            let ask = AgentRequest {
+                tenant: &info.tenant,
+                route: &info.route,
+                key: info.key.as_deref(),
+                cost: info.cost,
+            };
+            let outcome = match agent.decide_local(&ask) {
+                Some(o) => Ok(o),
+                None => agent.decide(&ask).await,
+            };
+            match outcome {
+                Ok(o) if o.allowed => inner.call(req).await,
+                Ok(o) => Ok(rejection(&o)),
+                Err(_) => {
+                    let mut r = Response::new(RB::default());
+                    *r.status_mut() = StatusCode::BAD_REQUEST;
+                    Ok(r)
+                }
+            }
+        })
+    }
+}

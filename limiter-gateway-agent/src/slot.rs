@@ -1,0 +1,170 @@
+//! One key's local lease: the hot path, atomics only.
+//!
+//! `balance` holds the units of the current grant not yet spent; `deadline` (agent
+//! clock) is when the grant stops being spendable. Spending is a CAS loop on
+//! `balance`; renewal takes the whole balance at once (`take`) before asking the owner
+//! for a new grant, so a unit is either spent locally or handed back, never both.
+
+use crate::sync::{AtomicBool, AtomicU64, Ordering};
+use limiter_core::clock::Nanos;
+
+/// The outcome of a local spend.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Spend {
+    /// Spent; this many units are left locally.
+    Hit {
+        /// Units left in the local balance.
+        remaining: u64,
+        /// The balance fell below the low-water mark: time to renew.
+        renew: bool,
+    },
+    /// Not enough units, or the grant has ended: ask the owner.
+    Miss,
+}
+
+/// The atomic part of a key's lease.
+#[derive(Debug, Default)]
+pub struct Balance {
+    balance: AtomicU64,
+    deadline: AtomicU64,
+    low_water: AtomicU64,
+    spent: AtomicU64,
+    renew_wanted: AtomicBool,
+}
+
+impl Balance {
+    /// Spends `cost` if the grant is still spendable at `now` and holds enough.
+    #[inline]
+    pub fn try_spend(&self, now: Nanos, cost: u64) -> Spend {
+        // Acquire pairs with `install`'s Release stores: a balance read here belongs to
+        // a grant whose deadline is at least the one read below (deadlines only grow
+        // while a grant is installed, and a renewal empties the balance first).
+        if now >= self.deadline.load(Ordering::Acquire) {
+            return Spend::Miss;
+        }
+        let mut b = self.balance.load(Ordering::Acquire);
+        loop {
+            if b < cost {
+                return Spend::Miss;
+            }
+            // AcqRel: the decrement must not be reordered with another spender's, and
+            // a concurrent `take` must see it (or this CAS fails).
+            match self.balance.compare_exchange_weak(b, b - cost, Ordering::AcqRel, Ordering::Acquire) {
+                Ok(_) => break,
+                Err(now_b) => b = now_b,
+            }
+        }
+        // Relaxed: a statistic (demand), read only by the renewal task.
+        self.spent.fetch_add(cost, Ordering::Relaxed);
+        let remaining = b - cost;
+        let renew = remaining < self.low_water.load(Ordering::Relaxed)
+            && !self.renew_wanted.swap(true, Ordering::Relaxed);
+        Spend::Hit { remaining, renew }
+    }
+
+    /// Takes every unspent unit (for a renewal or a return); nothing can be spent
+    /// from them afterwards.
+    pub fn take(&self) -> u64 {
+        self.balance.swap(0, Ordering::AcqRel)
+    }
+
+    /// Installs a new grant of `units`, spendable until `deadline`.
+    pub fn install(&self, units: u64, deadline: Nanos, low_water: u64) {
+        self.low_water.store(low_water, Ordering::Relaxed);
+        self.renew_wanted.store(false, Ordering::Relaxed);
+        // Deadline first: a spender that sees the new balance sees this deadline too.
+        self.deadline.store(deadline, Ordering::Release);
+        self.balance.store(units, Ordering::Release);
+    }
+
+    /// Ends the grant (direct mode, or nothing granted).
+    pub fn clear(&self) -> u64 {
+        self.deadline.store(0, Ordering::Release);
+        self.take()
+    }
+
+    /// Units spent since the last call (demand).
+    pub fn take_spent(&self) -> u64 {
+        self.spent.swap(0, Ordering::Relaxed)
+    }
+
+    /// Units now held.
+    pub fn units(&self) -> u64 {
+        self.balance.load(Ordering::Acquire)
+    }
+
+    /// When the grant stops being spendable.
+    pub fn deadline(&self) -> Nanos {
+        self.deadline.load(Ordering::Acquire)
+    }
+
+    /// Whether a spend asked for a renewal that has not happened yet.
+    pub fn renew_wanted(&self) -> bool {
+        self.renew_wanted.load(Ordering::Relaxed)
+    }
+}
+
+#[cfg(all(test, not(loom)))]
+mod tests {
+    use super::*;
+    use std::sync::Arc;
+
+    #[test]
+    fn spends_until_empty_or_expired() {
+        let b = Balance::default();
+        assert_eq!(b.try_spend(0, 1), Spend::Miss, "nothing installed");
+        b.install(5, 100, 2);
+        assert_eq!(b.try_spend(10, 3), Spend::Hit { remaining: 2, renew: false });
+        assert_eq!(b.try_spend(10, 1), Spend::Hit { remaining: 1, renew: true });
+        assert_eq!(b.try_spend(10, 1), Spend::Hit { remaining: 0, renew: false }, "asked once");
+        assert_eq!(b.try_spend(10, 1), Spend::Miss);
+        b.install(5, 100, 0);
+        assert_eq!(b.try_spend(100, 1), Spend::Miss, "past the deadline");
+        assert_eq!(b.take(), 5);
+        assert_eq!(b.take_spent(), 5);
+    }
+
+    /// Many threads spend while another repeatedly takes the balance and installs a
+    /// new grant: every unit is spent at most once (spent + taken == installed).
+    #[test]
+    fn concurrent_spends_never_exceed_the_balance() {
+        for round in 0..20 {
+            let b = Arc::new(Balance::default());
+            b.install(1_000, u64::MAX, 0);
+            let installed = Arc::new(AtomicU64::new(1_000));
+            let taken = Arc::new(AtomicU64::new(0));
+            let spent: u64 = std::thread::scope(|s| {
+                let renewer = s.spawn(|| {
+                    for _ in 0..200 {
+                        taken.fetch_add(b.take(), Ordering::Relaxed);
+                        installed.fetch_add(50, Ordering::Relaxed);
+                        b.install(50, u64::MAX, 0);
+                    }
+                });
+                let spenders: Vec<_> = (0..4)
+                    .map(|t| {
+                        let b = &b;
+                        s.spawn(move || {
+                            let mut mine = 0;
+                            for i in 0..20_000u64 {
+                                let cost = 1 + (i + t + round) % 3;
+                                if let Spend::Hit { .. } = b.try_spend(1, cost) {
+                                    mine += cost;
+                                }
+                            }
+                            mine
+                        })
+                    })
+                    .collect();
+                renewer.join().unwrap();
+                spenders.into_iter().map(|h| h.join().unwrap()).sum()
+            });
+            let left = b.take();
+            assert_eq!(
+                spent + taken.load(Ordering::Relaxed) + left,
+                installed.load(Ordering::Relaxed),
+                "round {round}: a unit was spent twice or lost"
+            );
+        }
+    }
+}

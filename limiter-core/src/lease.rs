@@ -166,7 +166,10 @@ mod tests {
         assert_eq!(b.settle(a, 7, 60, 4), Settled::Unknown, "settled once");
         assert!(matches!(b.settle(c, 7, 100, 5), Settled::Expired(_)));
         let t = b.totals();
-        assert_eq!((t.granted, t.returned, t.written_off, t.outstanding, t.open), (15, 10, 5, 0, 0));
+        assert_eq!(
+            (t.granted, t.returned, t.written_off, t.outstanding, t.open),
+            (15, 10, 5, 0, 0)
+        );
         b.open(rec(3, 200));
         assert_eq!(b.expire(299).len(), 0);
         assert_eq!(b.expire(300).len(), 1);

@@ -1,3 +1,3 @@
 //! x
 #![allow(missing_docs)]
-fn main(){}
+fn main() {}

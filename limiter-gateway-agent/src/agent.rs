@@ -182,6 +182,25 @@ struct LeaseState {
     demand_per_sec: u64,
 }
 
+/// Assumed demand of a key seen for the first time, in units per second.
+const FIRST_DEMAND: u64 = 20;
+
+impl LeaseState {
+    /// Updates the demand estimate with `spent` units since the last call: the rate
+    /// over that time, decaying by half when it drops.
+    fn demand(&mut self, now: Nanos, spent: u64) -> u64 {
+        if self.last_renew == 0 {
+            self.last_renew = now;
+            self.demand_per_sec = FIRST_DEMAND.max(spent);
+            return self.demand_per_sec;
+        }
+        let elapsed = now.saturating_sub(self.last_renew).max(1);
+        let rate = u128::from(spent) * u128::from(NANOS_PER_SEC) / u128::from(elapsed);
+        self.demand_per_sec = u64::try_from(rate).unwrap_or(u64::MAX).max(self.demand_per_sec / 2);
+        self.demand_per_sec
+    }
+}
+
 #[derive(Debug)]
 struct Slot {
     key: SlotKey,
@@ -215,7 +234,12 @@ impl Breaker {
         now >= until
             && self
                 .open_until
-                .compare_exchange(until, now + self.probe_every, Ordering::AcqRel, Ordering::Acquire)
+                .compare_exchange(
+                    until,
+                    now + self.probe_every,
+                    Ordering::AcqRel,
+                    Ordering::Acquire,
+                )
                 .is_ok()
     }
 
@@ -495,7 +519,15 @@ impl Agent {
 }
 
 impl Inner {
-    fn item(&self, slot: &Slot, lease_id: u64, unspent: u64, want: u64, cost: u64, demand: u64) -> pb::LeaseItem {
+    fn item(
+        &self,
+        slot: &Slot,
+        lease_id: u64,
+        unspent: u64,
+        want: u64,
+        cost: u64,
+        demand: u64,
+    ) -> pb::LeaseItem {
         pb::LeaseItem {
             tenant: slot.key.tenant.to_string(),
             route: slot.key.route.to_string(),
@@ -534,13 +566,21 @@ impl Inner {
 
     /// Units to ask for: two renewal intervals of demand, at least `cost`.
     fn want(&self, demand_per_sec: u64, cost: u64) -> u64 {
-        let per_interval = u128::from(demand_per_sec) * u128::from(nanos(self.config.renew_interval))
+        let per_interval = u128::from(demand_per_sec)
+            * u128::from(nanos(self.config.renew_interval))
             / u128::from(NANOS_PER_SEC);
         u64::try_from(2 * per_interval).unwrap_or(u64::MAX).max(cost).max(1)
     }
 
     /// Installs a grant; `consume` units of it go to the request that waited for it.
-    fn install(&self, slot: &Slot, st: &mut LeaseState, g: &pb::LeaseGrant, sent_at: Nanos, consume: u64) {
+    fn install(
+        &self,
+        slot: &Slot,
+        st: &mut LeaseState,
+        g: &pb::LeaseGrant,
+        sent_at: Nanos,
+        consume: u64,
+    ) {
         if let Some(p) = &g.on_failure {
             self.routes.lock().insert(slot.key.route.clone(), failure_policy(p));
         }
@@ -558,7 +598,11 @@ impl Inner {
             return;
         }
         let hold = duration_nanos(g.hold.as_ref());
-        #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss, clippy::cast_precision_loss)]
+        #[allow(
+            clippy::cast_possible_truncation,
+            clippy::cast_sign_loss,
+            clippy::cast_precision_loss
+        )]
         let margin = (hold as f64 * self.config.deadline_margin) as u64;
         st.sent_at = sent_at;
         st.hold = hold;
@@ -583,21 +627,24 @@ impl Inner {
                 let now = self.clock.now();
                 let mut ceilings = self.ceilings.lock();
                 let (bucket, state) = ceilings.entry(route.into()).or_insert_with(|| {
-                    (TokenBucket::new(emergency_ceiling, emergency_ceiling.amount()), TokenBucketState::default())
+                    (
+                        TokenBucket::new(emergency_ceiling, emergency_ceiling.amount()),
+                        TokenBucketState::default(),
+                    )
                 });
                 if bucket.rate() != emergency_ceiling {
                     *bucket = TokenBucket::new(emergency_ceiling, emergency_ceiling.amount());
                 }
                 match bucket.try_acquire(state, now, cost.min(bucket.capacity().max(1))) {
-                    Check::Admit { remaining } if cost <= bucket.capacity() => Outcome {
-                        remaining,
-                        source: Source::Fallback,
-                        ..Outcome::local(remaining)
-                    },
+                    Check::Admit { remaining } if cost <= bucket.capacity() => {
+                        Outcome { remaining, source: Source::Fallback, ..Outcome::local(remaining) }
+                    }
                     Check::Deny { retry_after } => {
                         Outcome::rejected(Reason::EmergencyCeiling, retry_after, Source::Fallback)
                     }
-                    Check::Admit { .. } => Outcome::rejected(Reason::EmergencyCeiling, 0, Source::Fallback),
+                    Check::Admit { .. } => {
+                        Outcome::rejected(Reason::EmergencyCeiling, 0, Source::Fallback)
+                    }
                 }
             }
         }
@@ -618,12 +665,8 @@ impl Inner {
             return Ok(self.fallback(&slot.key.route, cost));
         }
         let unspent = slot.balance.take();
-        let elapsed = now.saturating_sub(st.last_renew).max(1);
-        let spent = slot.balance.take_spent();
-        let demand = u64::try_from(u128::from(spent) * u128::from(NANOS_PER_SEC) / u128::from(elapsed))
-            .unwrap_or(u64::MAX)
-            .max(st.demand_per_sec / 2);
-        st.demand_per_sec = demand;
+        // The waiting request is demand too.
+        let demand = st.demand(now, slot.balance.take_spent() + cost);
         let want = if st.mode == Mode::Direct { 0 } else { self.want(demand, cost) };
         let item = self.item(slot, st.lease_id, unspent, want, cost, demand);
         st.lease_id = 0;
@@ -661,7 +704,9 @@ impl Inner {
 async fn renew_loop(inner: Weak<Inner>, wake: Arc<tokio::sync::Notify>, cancel: CancellationToken) {
     let mut jitter: u64 = 0x9e37_79b9_7f4a_7c15;
     loop {
-        let Some(interval) = inner.upgrade().map(|i| nanos(i.config.renew_interval)) else { return };
+        let Some(interval) = inner.upgrade().map(|i| nanos(i.config.renew_interval)) else {
+            return;
+        };
         // xorshift: ±10% jitter without a random-number dependency.
         jitter ^= jitter << 13;
         jitter ^= jitter >> 7;
@@ -697,14 +742,10 @@ async fn renew_due(inner: &Inner) {
             continue;
         }
         let unspent = slot.balance.take();
-        let elapsed = now.saturating_sub(st.last_renew).max(1);
-        let spent = slot.balance.take_spent();
-        let demand = u64::try_from(u128::from(spent) * u128::from(NANOS_PER_SEC) / u128::from(elapsed))
-            .unwrap_or(u64::MAX)
-            .max(st.demand_per_sec / 2);
-        st.demand_per_sec = demand;
+        let demand = st.demand(now, slot.balance.take_spent());
         let want = if idle { 0 } else { inner.want(demand, 1) };
-        let item = inner.item(slot, st.lease_id, if expired { 0 } else { unspent }, want, 0, demand);
+        let item =
+            inner.item(slot, st.lease_id, if expired { 0 } else { unspent }, want, 0, demand);
         st.lease_id = 0;
         batch.push((slot.clone(), st, item));
         if batch.len() >= 100 {

@@ -49,7 +49,12 @@ impl Balance {
             }
             // AcqRel: the decrement must not be reordered with another spender's, and
             // a concurrent `take` must see it (or this CAS fails).
-            match self.balance.compare_exchange_weak(b, b - cost, Ordering::AcqRel, Ordering::Acquire) {
+            match self.balance.compare_exchange_weak(
+                b,
+                b - cost,
+                Ordering::AcqRel,
+                Ordering::Acquire,
+            ) {
                 Ok(_) => break,
                 Err(now_b) => b = now_b,
             }

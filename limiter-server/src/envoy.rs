@@ -285,5 +285,4 @@ mod tests {
         // 1 per 10 s: 6 per minute.
         assert_eq!(envoy_limit(1, 10 * NANOS_PER_SEC), (6, Unit::Minute));
     }
-
 }

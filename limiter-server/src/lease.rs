@@ -122,7 +122,10 @@ impl Owner {
                 cost: Some(item.cost.max(1)),
                 dry_run: false,
             };
-            let chain = active_policy.policy.resolve(&req, &self.limits().names).map_err(|e| (i, e.into()))?;
+            let chain = active_policy
+                .policy
+                .resolve(&req, &self.limits().names)
+                .map_err(|e| (i, e.into()))?;
             let now = self.clock().now();
             if item.lease_id != 0 {
                 let settled = leases.book.lock().settle(item.lease_id, holder, now, item.unspent);
@@ -159,21 +162,32 @@ impl Owner {
             }
             let size = item
                 .want
-                .max(item.cost)
                 .clamp(1, chain.route.lease.max_batch.get())
-                .min((remaining / 2).max(item.cost));
-            let g = self.store().grant(&chain, now, size, chain.route.lease.ttl).await.map_err(|e| (i, e))?;
+                .min(remaining / 2)
+                .max(item.cost);
+            let g = self
+                .store()
+                .grant(&chain, now, size, chain.route.lease.ttl)
+                .await
+                .map_err(|e| (i, e))?;
             if g.units < item.cost || g.units == 0 {
-                // Not enough for the waiting request: give back any partial grant and
-                // say why, as a dry run of the request would.
-                self.store().refund_grant(&chain, now, g.granted_at, g.hold, g.units).await.map_err(|e| (i, e))?;
-                let probe = Request { dry_run: true, ..req };
-                let outcome = self.decide(Api::Lease, &[probe], false, false).await.map_err(|(_, e)| (i, e))?;
+                // Not enough to hold: give back any partial grant and decide the
+                // waiting request itself (charged if it fits), as in direct mode.
+                self.store()
+                    .refund_grant(&chain, now, g.granted_at, g.hold, g.units)
+                    .await
+                    .map_err(|e| (i, e))?;
+                let probe = Request { dry_run: item.cost == 0, ..req };
+                let outcome = self
+                    .decide(Api::Lease, &[probe], false, false)
+                    .await
+                    .map_err(|(_, e)| (i, e))?;
                 grant.decision = Some(convert::response(&outcome[0]));
                 grants.push(grant);
                 continue;
             }
-            let key = (item.tenant.as_str().into(), item.route.as_str().into(), req.key.map(Into::into));
+            let key =
+                (item.tenant.as_str().into(), item.route.as_str().into(), req.key.map(Into::into));
             let id = leases.book.lock().open(LeaseRecord {
                 holder,
                 key,

@@ -14,8 +14,8 @@ use parking_lot::Mutex;
 
 use crate::config::Limits;
 use crate::error::ServerError;
-use crate::metrics::{self as m, Api};
 use crate::lease::Leases;
+use crate::metrics::{self as m, Api};
 use crate::reload::PolicyHolder;
 use crate::store::Store;
 

@@ -1,0 +1,111 @@
+//! The agent against a real owner over gRPC: local decisions from leases, rejections
+//! with the owner's reason, locality at steady demand, exact mode, and returns.
+
+mod common;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use common::{Owner, agent, req};
+use limiter_core::Reason;
+use limiter_core::clock::{Clock, MonotonicClock};
+use limiter_gateway_agent::{AgentRequest, Source};
+
+const POLICY: &str = r"
+version: 1
+routes:
+  /exact:
+    lease: { mode: exact }
+tenants:
+  small:
+    limit: { algorithm: fixed_window, limit: 10, window: 1h }
+  busy:
+    limit: { algorithm: token_bucket, rate: 10000/s, burst: 10000 }
+    per_key: { algorithm: token_bucket, rate: 1000/s, burst: 1000 }
+";
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn decides_locally_from_a_lease_and_rejects_with_the_owners_reason() {
+    let clock: Arc<dyn Clock> = Arc::new(MonotonicClock::new());
+    let owner = Owner::start(POLICY, clock.clone()).await;
+    let a = agent(&owner.url(), "a1", clock.clone());
+    let mut allowed = 0;
+    let mut sources = Vec::new();
+    for _ in 0..15 {
+        let o = a.decide(&req("small", "/r")).await.unwrap();
+        if o.allowed {
+            allowed += 1;
+        } else {
+            assert_eq!(o.reason, Some(Reason::TenantLimit));
+            assert!(o.retry_after > 0);
+            assert_eq!(o.limit.as_ref().unwrap().quota, 10);
+        }
+        sources.push(o.source);
+    }
+    assert_eq!(allowed, 10, "never more than the limit");
+    assert!(sources.contains(&Source::Local), "{sources:?}");
+    // Cost 0 and a cost above the capacity are errors, not rejections.
+    assert!(a.decide(&AgentRequest { cost: 0, ..req("small", "/r") }).await.is_err());
+    assert!(
+        a.decide(&AgentRequest { cost: 11, ..req("busy2", "/r") }).await.is_ok_and(|o| !o.allowed)
+    );
+    let e = a.decide(&AgentRequest { cost: 20_000, ..req("busy", "/r") }).await.unwrap_err();
+    assert!(e.to_string().contains("cost"), "{e}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn at_steady_demand_nearly_every_decision_is_local() {
+    let clock: Arc<dyn Clock> = Arc::new(MonotonicClock::new());
+    let owner = Owner::start(POLICY, clock.clone()).await;
+    let a = agent(&owner.url(), "a2", clock.clone());
+    // 20 keys at 100 requests per second each, for 2 seconds.
+    let keys: Vec<String> = (0..20).map(|i| format!("k{i}")).collect();
+    let mut tick = tokio::time::interval(Duration::from_millis(10));
+    for _ in 0..200 {
+        tick.tick().await;
+        for k in &keys {
+            let o = a.decide(&AgentRequest { key: Some(k), ..req("busy", "/r") }).await.unwrap();
+            assert!(o.allowed);
+        }
+    }
+    let s = a.stats();
+    let decisions = s.local + s.slow;
+    let local = s.local as f64 / decisions as f64;
+    let calls_per_1000 = s.owner_calls as f64 * 1_000.0 / decisions as f64;
+    println!(
+        "locality: {decisions} decisions, {:.2}% local, {} owner calls ({calls_per_1000:.2} per 1000 decisions)",
+        local * 100.0,
+        s.owner_calls
+    );
+    assert!(local >= 0.99, "{s:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn exact_routes_ask_the_owner_for_every_request() {
+    let clock: Arc<dyn Clock> = Arc::new(MonotonicClock::new());
+    let owner = Owner::start(POLICY, clock.clone()).await;
+    let a = agent(&owner.url(), "a3", clock.clone());
+    let mut allowed = 0;
+    for _ in 0..12 {
+        let o = a.decide(&req("small", "/exact")).await.unwrap();
+        assert_eq!(o.source, Source::Owner);
+        allowed += usize::from(o.allowed);
+    }
+    assert_eq!(allowed, 10);
+    assert_eq!(a.stats().local, 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stopping_agent_returns_its_balance() {
+    let clock: Arc<dyn Clock> = Arc::new(MonotonicClock::new());
+    let owner = Owner::start(POLICY, clock.clone()).await;
+    let a = agent(&owner.url(), "a4", clock.clone());
+    assert!(a.decide(&req("busy", "/r")).await.unwrap().allowed);
+    let before = owner.server.leases().totals();
+    assert!(before.outstanding > 0);
+    a.shutdown().await;
+    let after = owner.server.leases().totals();
+    assert_eq!(after.outstanding, 0);
+    // Everything but the one unit the request spent came back.
+    assert_eq!(after.returned - before.returned, before.outstanding - 1);
+}

@@ -1,0 +1,122 @@
+//! An owner server in-process on loopback, and agents pointed at it.
+
+#![allow(dead_code)] // each test binary uses a different part
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use limiter_core::clock::Clock;
+use limiter_gateway_agent::{Agent, AgentConfig, AgentRequest};
+use limiter_server::config::ServerConfig;
+use limiter_server::{Listeners, Server};
+use tokio::net::TcpListener;
+
+pub struct Owner {
+    pub addr: SocketAddr,
+    pub server: Arc<limiter_server::owner::Owner>,
+    _dir: tempfile::TempDir,
+    stop: Option<tokio::sync::oneshot::Sender<()>>,
+}
+
+impl Owner {
+    pub async fn start(policy: &str, clock: Arc<dyn Clock>) -> Self {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("policies.yaml");
+        std::fs::write(&path, policy).unwrap();
+        let config = ServerConfig::load_with_env(
+            None,
+            [
+                ("LIMITER__POLICY_FILE".to_owned(), path.display().to_string()),
+                ("LIMITER__SHUTDOWN__DRAIN_DELAY_MS".to_owned(), "0".to_owned()),
+            ],
+        )
+        .unwrap();
+        let server = Server::with_clock(config, clock).unwrap();
+        let owner = server.owner().clone();
+        let grpc = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let admin = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = grpc.local_addr().unwrap();
+        let (stop, rx) = tokio::sync::oneshot::channel();
+        tokio::spawn(server.run(Listeners { grpc, admin }, async {
+            let _ = rx.await;
+        }));
+        Self { addr, server: owner, _dir: dir, stop: Some(stop) }
+    }
+
+    pub fn url(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+}
+
+impl Drop for Owner {
+    fn drop(&mut self) {
+        if let Some(s) = self.stop.take() {
+            let _ = s.send(());
+        }
+    }
+}
+
+pub fn agent(url: &str, id: &str, clock: Arc<dyn Clock>) -> Agent {
+    let config = AgentConfig::new(url, id).with_rpc_timeout(Duration::from_millis(500));
+    Agent::with_clock(config, clock).unwrap()
+}
+
+pub fn req<'a>(tenant: &'a str, route: &'a str) -> AgentRequest<'a> {
+    AgentRequest { tenant, route, key: None, cost: 1 }
+}
+
+/// A TCP proxy on loopback that can black-hole traffic: while cut, bytes in both
+/// directions are dropped and connections stay open (as behind a failed link).
+pub struct Proxy {
+    pub addr: SocketAddr,
+    cut: Arc<std::sync::atomic::AtomicBool>,
+}
+
+impl Proxy {
+    pub async fn start(target: SocketAddr) -> Self {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let cut = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let c = cut.clone();
+        tokio::spawn(async move {
+            while let Ok((inbound, _)) = listener.accept().await {
+                let Ok(outbound) = tokio::net::TcpStream::connect(target).await else { continue };
+                let (ri, wi) = inbound.into_split();
+                let (ro, wo) = outbound.into_split();
+                tokio::spawn(pipe(ri, wo, c.clone()));
+                tokio::spawn(pipe(ro, wi, c.clone()));
+            }
+        });
+        Self { addr, cut }
+    }
+
+    pub fn cut(&self, on: bool) {
+        self.cut.store(on, std::sync::atomic::Ordering::SeqCst);
+    }
+
+    pub fn url(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+}
+
+async fn pipe(
+    mut from: tokio::net::tcp::OwnedReadHalf,
+    mut to: tokio::net::tcp::OwnedWriteHalf,
+    cut: Arc<std::sync::atomic::AtomicBool>,
+) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut buf = vec![0u8; 16 * 1024];
+    loop {
+        let n = match from.read(&mut buf).await {
+            Ok(0) | Err(_) => return,
+            Ok(n) => n,
+        };
+        if cut.load(std::sync::atomic::Ordering::SeqCst) {
+            continue; // black hole
+        }
+        if to.write_all(&buf[..n]).await.is_err() {
+            return;
+        }
+    }
+}

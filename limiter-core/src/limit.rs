@@ -217,6 +217,28 @@ impl Algorithm for Limit {
     fn is_idle(&self, state: &LimitState, now: Nanos) -> bool {
         with_state!(self, state, |a, s| a.is_idle(s, now))
     }
+
+    fn grant_hold(&self, now: Nanos, hold: Nanos) -> Nanos {
+        match self {
+            Self::TokenBucket(a) => a.grant_hold(now, hold),
+            Self::FixedWindow(a) => a.grant_hold(now, hold),
+            Self::SlidingLog(a) => a.grant_hold(now, hold),
+            Self::SlidingCounter(a) => a.grant_hold(now, hold),
+        }
+    }
+
+    fn grant_stamp(&self, now: Nanos, hold: Nanos) -> Nanos {
+        match self {
+            Self::TokenBucket(a) => a.grant_stamp(now, hold),
+            Self::FixedWindow(a) => a.grant_stamp(now, hold),
+            Self::SlidingLog(a) => a.grant_stamp(now, hold),
+            Self::SlidingCounter(a) => a.grant_stamp(now, hold),
+        }
+    }
+
+    fn charge_at(&self, state: &mut LimitState, now: Nanos, stamp: Nanos, cost: u64) {
+        with_state_mut!(self, state, |a, s| a.charge_at(s, now, stamp, cost));
+    }
 }
 
 #[cfg(test)]
@@ -248,5 +270,11 @@ mod tests {
         assert!(matches!(s, LimitState::FixedWindow(_)));
         assert_eq!(fw.remaining(&s, 0), 4);
         assert_eq!(Limit::quota(&tb), (5, 1_000_000_000));
+        // Grants dispatch to the algorithm: a window ends them, a log stamps them late.
+        assert_eq!(fw.grant_hold(30, 1_000), 70);
+        assert_eq!(tb.grant_hold(30, 1_000), 1_000);
+        let sl = Limit::SlidingLog(SlidingLog::new(n(5), n(4_000)));
+        assert_eq!(sl.grant_hold(0, 1_000), 100);
+        assert_eq!(sl.grant_stamp(10, 100), 110);
     }
 }

@@ -183,7 +183,7 @@ struct LeaseState {
 }
 
 /// Assumed demand of a key seen for the first time, in units per second.
-const FIRST_DEMAND: u64 = 20;
+const FIRST_DEMAND: u64 = 1;
 
 impl LeaseState {
     /// Updates the demand estimate with `spent` units since the last call: the rate
@@ -703,30 +703,40 @@ impl Inner {
 /// every key that is due (low on units, half way through its lease, or idle).
 async fn renew_loop(inner: Weak<Inner>, wake: Arc<tokio::sync::Notify>, cancel: CancellationToken) {
     let mut jitter: u64 = 0x9e37_79b9_7f4a_7c15;
+    let mut next_due: Option<Nanos> = None;
     loop {
-        let Some(interval) = inner.upgrade().map(|i| nanos(i.config.renew_interval)) else {
+        let Some((interval, now)) =
+            inner.upgrade().map(|i| (nanos(i.config.renew_interval), i.clock.now()))
+        else {
             return;
         };
         // xorshift: ±10% jitter without a random-number dependency.
         jitter ^= jitter << 13;
         jitter ^= jitter >> 7;
         jitter ^= jitter << 17;
-        let wait = interval - interval / 10 + jitter % (interval / 5).max(1);
+        let mut wait = interval - interval / 10 + jitter % (interval / 5).max(1);
+        // Short leases (a sliding log's, a grant near a window's end) are renewed half
+        // way through, before they lapse with units in them.
+        if let Some(due) = next_due {
+            wait = wait.min(due.saturating_sub(now).max(1_000_000));
+        }
         tokio::select! {
             () = cancel.cancelled() => return,
             () = tokio::time::sleep(Duration::from_nanos(wait)) => {}
             () = wake.notified() => {}
         }
         let Some(inner) = inner.upgrade() else { return };
-        renew_due(&inner).await;
+        next_due = renew_due(&inner).await;
     }
 }
 
-async fn renew_due(inner: &Inner) {
+/// Renews (or returns) every due key in one call; returns when the next key falls due.
+async fn renew_due(inner: &Inner) -> Option<Nanos> {
     let now = inner.clock.now();
     if !inner.breaker.allow(now) {
-        return;
+        return None;
     }
+    let mut next_due: Option<Nanos> = None;
     let idle_after = nanos(inner.config.idle_after);
     let slots = inner.slots.load_full();
     let mut batch = Vec::new();
@@ -739,6 +749,8 @@ async fn renew_due(inner: &Inner) {
         let half_way = now.saturating_sub(st.sent_at) > st.hold / 2;
         let expired = now >= slot.balance.deadline();
         if !(idle || half_way || expired || slot.balance.renew_wanted()) {
+            let due = st.sent_at + st.hold / 2;
+            next_due = Some(next_due.map_or(due, |d| d.min(due)));
             continue;
         }
         let unspent = slot.balance.take();
@@ -753,12 +765,17 @@ async fn renew_due(inner: &Inner) {
         }
     }
     if batch.is_empty() {
-        return;
+        return next_due;
     }
     let items = batch.iter().map(|(_, _, i)| i.clone()).collect();
     if let Ok(grants) = inner.call(items).await {
         for ((slot, mut st, _), g) in batch.into_iter().zip(&grants) {
             inner.install(&slot, &mut st, g, now, 0);
+            if st.lease_id != 0 {
+                let due = st.sent_at + st.hold / 2;
+                next_due = Some(next_due.map_or(due, |d| d.min(due)));
+            }
         }
     }
+    next_due
 }

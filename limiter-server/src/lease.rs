@@ -9,9 +9,10 @@
 //! - Renewal is return-and-replace: the agent hands back what it did not spend (refunded
 //!   exactly while the lease is open) and receives a fresh grant.
 //! - Size: what the agent wants (about two renewal intervals of its demand), at least
-//!   the waiting request's cost, at most the route's `max_batch`, and at most half of
-//!   what is left, so no more than half the remaining budget can be stranded at one
-//!   gateway.
+//!   the waiting request's cost, at most the route's `max_batch`, at most what its
+//!   demand can spend before the grant ends (a window's end), and at most half of what
+//!   is left (near the limit, below a fifth of capacity: half of it shared among the
+//!   active agents), so no more than half the remaining budget can be stranded.
 //! - Direct mode: when what is left is less than one request's cost for each active
 //!   agent (or the route asks for exact mode), the owner grants nothing to hold and
 //!   decides each waiting request itself.
@@ -19,6 +20,7 @@
 use std::collections::HashMap;
 use std::hash::{BuildHasher, BuildHasherDefault, DefaultHasher};
 
+use limiter_core::algorithm::Algorithm;
 use limiter_core::clock::{NANOS_PER_SEC, Nanos};
 use limiter_core::lease::{LeaseBook, LeaseRecord, Settled};
 use limiter_core::policy::{FailurePolicy, Request};
@@ -160,10 +162,22 @@ impl Owner {
                 grants.push(grant);
                 continue;
             }
+            // How long the grant can be spent: the route's TTL, cut by window ends.
+            let hold =
+                chain.levels().fold(chain.route.lease.ttl, |h, l| l.rule.limit.grant_hold(now, h));
+            // No more than the agent can spend in that time at its demand.
+            let by_time =
+                u128::from(item.demand_per_sec) * u128::from(hold) / u128::from(NANOS_PER_SEC) + 1;
+            let capacity =
+                chain.levels().map(|l| l.rule.limit.capacity()).min().unwrap_or(u64::MAX);
+            // Near the limit, every active agent may strand only a small share.
+            let share =
+                if remaining < capacity / 5 { remaining / (2 * active) } else { remaining / 2 };
             let size = item
                 .want
                 .clamp(1, chain.route.lease.max_batch.get())
-                .min(remaining / 2)
+                .min(u64::try_from(by_time).unwrap_or(u64::MAX))
+                .min(share)
                 .max(item.cost);
             let g = self
                 .store()

@@ -7,7 +7,9 @@
 mod common;
 
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
+
+use tokio::time::Instant;
 
 use common::{Owner, Proxy, agent, req};
 use limiter_core::Reason;

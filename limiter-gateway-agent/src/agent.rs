@@ -10,7 +10,7 @@ use std::time::Duration;
 use arc_swap::ArcSwap;
 use hashbrown::Equivalent;
 use limiter_core::algorithm::{Algorithm, Check, TokenBucket, TokenBucketState};
-use limiter_core::clock::{Clock, MonotonicClock, NANOS_PER_SEC, Nanos};
+use limiter_core::clock::{Clock, NANOS_PER_SEC, Nanos};
 use limiter_core::policy::FailurePolicy;
 use limiter_core::rate::Rate;
 use limiter_core::{Reason, Scope};
@@ -23,6 +23,31 @@ use tonic::transport::Channel;
 use crate::config::AgentConfig;
 use crate::error::AgentError;
 use crate::slot::{Balance, Spend};
+
+/// The agent's default clock: the CPU's invariant time-stamp counter where there is
+/// one (a few nanoseconds a read, against a system call's twenty), else the OS's
+/// monotonic clock. The agent only measures durations on it (its deadlines count
+/// from its own send times), so it need not agree with the owner's.
+#[derive(Debug, Clone)]
+pub struct FastClock {
+    clock: quanta::Clock,
+    origin: quanta::Instant,
+}
+
+impl Default for FastClock {
+    fn default() -> Self {
+        let clock = quanta::Clock::new();
+        let origin = clock.now();
+        Self { clock, origin }
+    }
+}
+
+impl Clock for FastClock {
+    fn now(&self) -> Nanos {
+        // Never zero: 0 means "no deadline" for a balance.
+        u64::try_from(self.clock.now().duration_since(self.origin).as_nanos()).unwrap_or(u64::MAX) + 1
+    }
+}
 
 /// Where a decision was made.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -119,11 +144,30 @@ pub struct AgentStats {
     pub failed_calls: u64,
 }
 
-#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+/// A key's names in one allocation: `tenant`, `route` and `key` back to back.
+#[derive(Debug, Clone, PartialEq, Eq)]
 struct SlotKey {
-    tenant: Box<str>,
-    route: Box<str>,
-    key: Box<str>,
+    text: Box<str>,
+    tenant_len: u32,
+    route_len: u32,
+}
+
+impl SlotKey {
+    fn new(tenant: &str, route: &str, key: &str) -> Self {
+        let text = [tenant, route, key].concat().into_boxed_str();
+        let len = |s: &str| u32::try_from(s.len()).unwrap_or(u32::MAX);
+        Self { text, tenant_len: len(tenant), route_len: len(route) }
+    }
+
+    fn parts(&self) -> (&str, &str, &str) {
+        let t = self.tenant_len as usize;
+        let r = t + self.route_len as usize;
+        (&self.text[..t], &self.text[t..r], &self.text[r..])
+    }
+
+    fn route(&self) -> &str {
+        self.parts().1
+    }
 }
 
 /// The borrowed form a request looks a slot up with (no allocation).
@@ -136,7 +180,10 @@ struct SlotRef<'a> {
 
 impl Equivalent<SlotKey> for SlotRef<'_> {
     fn equivalent(&self, k: &SlotKey) -> bool {
-        *k.tenant == *self.tenant && *k.route == *self.route && *k.key == *self.key
+        k.tenant_len as usize == self.tenant.len()
+            && k.route_len as usize == self.route.len()
+            && k.text.len() == self.tenant.len() + self.route.len() + self.key.len()
+            && k.parts() == (self.tenant, self.route, self.key)
     }
 }
 
@@ -152,7 +199,8 @@ struct HashedKey(SlotKey);
 
 impl Hash for HashedKey {
     fn hash<H: Hasher>(&self, h: &mut H) {
-        hash_parts(&self.0.tenant, &self.0.route, &self.0.key, h);
+        let (t, r, k) = self.0.parts();
+        hash_parts(t, r, k, h);
     }
 }
 
@@ -175,6 +223,8 @@ enum Mode {
 #[derive(Debug, Default)]
 struct LeaseState {
     lease_id: u64,
+    /// Units installed in the balance by the current grant (spent = installed - taken).
+    installed: u64,
     sent_at: Nanos,
     hold: Nanos,
     mode: Mode,
@@ -203,9 +253,8 @@ impl LeaseState {
 
 #[derive(Debug)]
 struct Slot {
-    key: SlotKey,
     balance: Balance,
-    last_used: AtomicU64,
+    key: SlotKey,
     lease: Arc<tokio::sync::Mutex<LeaseState>>,
 }
 
@@ -275,7 +324,7 @@ struct Inner {
     ceilings: Mutex<HashMap<Box<str>, (TokenBucket, TokenBucketState)>>,
     wake: Arc<tokio::sync::Notify>,
     cancel: CancellationToken,
-    stats: [AtomicU64; 5],
+    stats: [AtomicU64; 4],
 }
 
 impl Drop for Inner {
@@ -284,11 +333,10 @@ impl Drop for Inner {
     }
 }
 
-const LOCAL: usize = 0;
-const SLOW: usize = 1;
-const FALLBACK: usize = 2;
-const CALLS: usize = 3;
-const FAILED: usize = 4;
+const SLOW: usize = 0;
+const FALLBACK: usize = 1;
+const CALLS: usize = 2;
+const FAILED: usize = 3;
 
 /// An embedded rate-limit agent; cheap to clone.
 ///
@@ -374,7 +422,7 @@ impl Agent {
     ///
     /// An invalid owner endpoint.
     pub fn new(config: AgentConfig) -> Result<Self, AgentError> {
-        Self::with_clock(config, Arc::new(MonotonicClock::new()))
+        Self::with_clock(config, Arc::new(FastClock::default()))
     }
 
     /// Like [`Agent::new`] with a given clock. Must be called within a tokio runtime.
@@ -413,8 +461,9 @@ impl Agent {
     /// What the agent did so far.
     pub fn stats(&self) -> AgentStats {
         let s = |i: usize| self.inner.stats[i].load(Ordering::Relaxed);
+        let hits: u64 = self.inner.slots.load().values().map(|slot| slot.balance.hits()).sum();
         AgentStats {
-            local: s(LOCAL),
+            local: hits,
             slow: s(SLOW),
             fallback: s(FALLBACK),
             owner_calls: s(CALLS),
@@ -440,9 +489,6 @@ impl Agent {
         let now = self.inner.clock.now();
         match slot.balance.try_spend(now, req.cost) {
             Spend::Hit { remaining, renew } => {
-                // Relaxed: statistics and an idleness hint.
-                slot.last_used.store(now, Ordering::Relaxed);
-                self.inner.stats[LOCAL].fetch_add(1, Ordering::Relaxed);
                 if renew {
                     self.inner.wake.notify_one();
                 }
@@ -483,13 +529,9 @@ impl Agent {
         if let Some(s) = current.get(&r) {
             return s.clone();
         }
-        let key = SlotKey { tenant: req.tenant.into(), route: req.route.into(), key: r.key.into() };
-        let slot = Arc::new(Slot {
-            key: key.clone(),
-            balance: Balance::default(),
-            last_used: AtomicU64::new(self.inner.clock.now()),
-            lease: Arc::default(),
-        });
+        let key = SlotKey::new(req.tenant, req.route, r.key);
+        let slot = Arc::new(Slot { key: key.clone(), balance: Balance::default(), lease: Arc::default() });
+        slot.balance.touch(self.inner.clock.now());
         // Copy-on-write: readers keep a lock-free view; new keys are rare.
         let mut next = SlotMap::clone(&current);
         next.insert(HashedKey(key), slot.clone());
@@ -528,10 +570,11 @@ impl Inner {
         cost: u64,
         demand: u64,
     ) -> pb::LeaseItem {
+        let (tenant, route, key) = slot.key.parts();
         pb::LeaseItem {
-            tenant: slot.key.tenant.to_string(),
-            route: slot.key.route.to_string(),
-            key: slot.key.key.to_string(),
+            tenant: tenant.to_owned(),
+            route: route.to_owned(),
+            key: key.to_owned(),
             lease_id,
             unspent,
             want,
@@ -582,9 +625,10 @@ impl Inner {
         consume: u64,
     ) {
         if let Some(p) = &g.on_failure {
-            self.routes.lock().insert(slot.key.route.clone(), failure_policy(p));
+            self.routes.lock().insert(slot.key.route().into(), failure_policy(p));
         }
         st.last_renew = sent_at;
+        st.installed = 0;
         if g.mode() == pb::LeaseMode::Direct {
             st.mode = Mode::Direct;
             st.lease_id = 0;
@@ -607,6 +651,7 @@ impl Inner {
         st.sent_at = sent_at;
         st.hold = hold;
         let deadline = sent_at + hold.saturating_sub(margin.max(1));
+        st.installed = g.units - consume;
         slot.balance.install(g.units - consume, deadline, (g.units / 4).max(1));
     }
 
@@ -655,18 +700,18 @@ impl Inner {
     async fn slow(&self, slot: &Arc<Slot>, cost: u64) -> Result<Outcome, AgentError> {
         let mut st = slot.lease.lock().await;
         let now = self.clock.now();
-        slot.last_used.store(now, Ordering::Relaxed);
+        slot.balance.touch(now);
         if let Spend::Hit { remaining, .. } = slot.balance.try_spend(now, cost) {
-            self.stats[LOCAL].fetch_add(1, Ordering::Relaxed);
             return Ok(Outcome::local(remaining));
         }
         self.stats[SLOW].fetch_add(1, Ordering::Relaxed);
         if !self.breaker.allow(now) {
-            return Ok(self.fallback(&slot.key.route, cost));
+            return Ok(self.fallback(slot.key.route(), cost));
         }
         let unspent = slot.balance.take();
         // The waiting request is demand too.
-        let demand = st.demand(now, slot.balance.take_spent() + cost);
+        let spent = st.installed.saturating_sub(unspent);
+        let demand = st.demand(now, spent + cost);
         let want = if st.mode == Mode::Direct { 0 } else { self.want(demand, cost) };
         let item = self.item(slot, st.lease_id, unspent, want, cost, demand);
         st.lease_id = 0;
@@ -694,7 +739,7 @@ impl Inner {
             Err(s) if s.code() == tonic::Code::InvalidArgument => {
                 Err(AgentError::Invalid(s.message().to_owned()))
             }
-            Err(_) => Ok(self.fallback(&slot.key.route, cost)),
+            Err(_) => Ok(self.fallback(slot.key.route(), cost)),
         }
     }
 }
@@ -745,7 +790,7 @@ async fn renew_due(inner: &Inner) -> Option<Nanos> {
         if st.lease_id == 0 {
             continue;
         }
-        let idle = now.saturating_sub(slot.last_used.load(Ordering::Relaxed)) > idle_after;
+        let idle = now.saturating_sub(slot.balance.last_used()) > idle_after;
         let half_way = now.saturating_sub(st.sent_at) > st.hold / 2;
         let expired = now >= slot.balance.deadline();
         if !(idle || half_way || expired || slot.balance.renew_wanted()) {
@@ -754,7 +799,8 @@ async fn renew_due(inner: &Inner) -> Option<Nanos> {
             continue;
         }
         let unspent = slot.balance.take();
-        let demand = st.demand(now, slot.balance.take_spent());
+        let spent = st.installed.saturating_sub(unspent);
+        let demand = st.demand(now, spent);
         let want = if idle { 0 } else { inner.want(demand, 1) };
         let item =
             inner.item(slot, st.lease_id, if expired { 0 } else { unspent }, want, 0, demand);

@@ -16,9 +16,8 @@ pub mod config;
 pub mod error;
 pub mod layer;
 pub mod slot;
-mod sync;
 
-pub use agent::{Agent, AgentRequest, AgentStats, LimitInfo, Outcome, Source};
+pub use agent::{Agent, AgentRequest, AgentStats, FastClock, LimitInfo, Outcome, Source};
 pub use config::AgentConfig;
 pub use error::AgentError;
 

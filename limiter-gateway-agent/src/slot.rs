@@ -64,8 +64,10 @@ impl Balance {
                 Err(now_b) => b = now_b,
             }
         }
-        // Relaxed: a statistic and an idleness hint, on the line the CAS already owns.
-        self.hits.fetch_add(1, Ordering::Relaxed);
+        // Relaxed, and a plain load and store rather than a locked add: a statistic
+        // (which may miss a count when two threads hit one key at the same instant)
+        // and an idleness hint, on the cache line the CAS already owns.
+        self.hits.store(self.hits.load(Ordering::Relaxed) + 1, Ordering::Relaxed);
         self.last_used.store(now, Ordering::Relaxed);
         let remaining = b - cost;
         let renew = remaining < self.low_water.load(Ordering::Relaxed)
@@ -94,7 +96,7 @@ impl Balance {
         self.take()
     }
 
-    /// Local decisions made so far.
+    /// Local decisions made so far (approximate under concurrent hits on one key).
     pub fn hits(&self) -> u64 {
         self.hits.load(Ordering::Relaxed)
     }

@@ -45,7 +45,8 @@ impl Default for FastClock {
 impl Clock for FastClock {
     fn now(&self) -> Nanos {
         // Never zero: 0 means "no deadline" for a balance.
-        u64::try_from(self.clock.now().duration_since(self.origin).as_nanos()).unwrap_or(u64::MAX) + 1
+        u64::try_from(self.clock.now().duration_since(self.origin).as_nanos()).unwrap_or(u64::MAX)
+            + 1
     }
 }
 
@@ -530,7 +531,8 @@ impl Agent {
             return s.clone();
         }
         let key = SlotKey::new(req.tenant, req.route, r.key);
-        let slot = Arc::new(Slot { key: key.clone(), balance: Balance::default(), lease: Arc::default() });
+        let slot =
+            Arc::new(Slot { key: key.clone(), balance: Balance::default(), lease: Arc::default() });
         slot.balance.touch(self.inner.clock.now());
         // Copy-on-write: readers keep a lock-free view; new keys are rare.
         let mut next = SlotMap::clone(&current);

@@ -8,8 +8,8 @@
 //! Checked by an exhaustive stress test below rather than a `loom` model: this crate
 //! depends on tokio, which cannot be built under `--cfg loom` as a dependency.
 
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use limiter_core::clock::Nanos;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 /// The outcome of a local spend.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

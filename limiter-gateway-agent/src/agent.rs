@@ -233,6 +233,9 @@ struct LeaseState {
     demand_per_sec: u64,
 }
 
+/// A key idle this many times `idle_after`, holding nothing, is forgotten.
+const FORGET_AFTER_IDLE: u64 = 30;
+
 /// Assumed demand of a key seen for the first time, in units per second.
 const FIRST_DEMAND: u64 = 1;
 
@@ -787,9 +790,16 @@ async fn renew_due(inner: &Inner) -> Option<Nanos> {
     let idle_after = nanos(inner.config.idle_after);
     let slots = inner.slots.load_full();
     let mut batch = Vec::new();
-    for slot in slots.values() {
+    let mut forgotten = Vec::new();
+    for (key, slot) in slots.iter() {
         let Ok(mut st) = slot.lease.clone().try_lock_owned() else { continue };
         if st.lease_id == 0 {
+            // Long idle and holding nothing: forget the key (bounded memory).
+            if now.saturating_sub(slot.balance.last_used()) > FORGET_AFTER_IDLE * idle_after
+                && slot.balance.units() == 0
+            {
+                forgotten.push(key.clone());
+            }
             continue;
         }
         let idle = now.saturating_sub(slot.balance.last_used()) > idle_after;
@@ -811,6 +821,14 @@ async fn renew_due(inner: &Inner) -> Option<Nanos> {
         if batch.len() >= 100 {
             break;
         }
+    }
+    if !forgotten.is_empty() {
+        let _w = inner.slots_write.lock();
+        let mut next = SlotMap::clone(&inner.slots.load_full());
+        for k in &forgotten {
+            next.remove(k);
+        }
+        inner.slots.store(Arc::new(next));
     }
     if batch.is_empty() {
         return next_due;

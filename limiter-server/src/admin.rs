@@ -1,5 +1,6 @@
 //! The admin HTTP port: `/metrics` (Prometheus), `/healthz` (liveness), `/readyz`
-//! (readiness: policy loaded and not draining) and `/policy` (the active policy).
+//! (readiness: policy loaded and not draining), `/policy` (the active policy), and the
+//! status page `/dashboard` with its data at `/dashboard/data`.
 
 use std::sync::Arc;
 
@@ -12,17 +13,39 @@ use limiter_core::clock::NANOS_PER_SEC;
 use limiter_core::policy::UnknownTenants;
 use serde_json::json;
 
+use crate::dashboard::{self, History};
 use crate::metrics;
 use crate::owner::Owner;
 
-/// The admin router over `owner`.
-pub fn router(owner: Arc<Owner>) -> Router {
+#[derive(Clone)]
+struct Admin {
+    owner: Arc<Owner>,
+    history: Arc<History>,
+    members: Arc<Vec<String>>,
+}
+
+/// The admin router over `owner`; `members` are the ring's members as shown.
+pub fn router(owner: Arc<Owner>, history: Arc<History>, members: Vec<String>) -> Router {
+    let dash = Admin { owner: owner.clone(), history, members: Arc::new(members) };
+    let page = || async { ([(header::CONTENT_TYPE, "text/html; charset=utf-8")], dashboard::PAGE) };
     Router::new()
         .route("/metrics", get(render_metrics))
         .route("/healthz", get(|| async { "ok\n" }))
         .route("/readyz", get(ready))
         .route("/policy", get(policy))
         .with_state(owner)
+        .merge(
+            Router::new()
+                .route("/dashboard", get(page))
+                .route("/dashboard/", get(page))
+                .route("/dashboard/data", get(dashboard_data))
+                .with_state(dash),
+        )
+}
+
+async fn dashboard_data(State(d): State<Admin>) -> impl IntoResponse {
+    let body = dashboard::data(&d.owner, &d.history, &d.members).to_string();
+    ([(header::CONTENT_TYPE, "application/json")], body)
 }
 
 async fn render_metrics(State(owner): State<Arc<Owner>>) -> impl IntoResponse {

@@ -11,8 +11,10 @@
 pub mod admin;
 pub mod config;
 pub mod convert;
+pub mod dashboard;
 pub mod envoy;
 pub mod error;
+pub mod heavy;
 pub mod lease;
 pub mod metrics;
 pub mod owner;
@@ -153,8 +155,11 @@ impl Server {
                 ),
         );
         let admin_stop = CancellationToken::new();
+        let history = Arc::new(dashboard::History::default());
+        tasks.spawn(dashboard::sample_loop(owner.clone(), history.clone(), cancel.child_token()));
+        let members = vec![config.listen.to_string()];
         let admin = tokio::spawn(
-            axum::serve(listeners.admin, admin::router(owner.clone()))
+            axum::serve(listeners.admin, admin::router(owner.clone(), history, members))
                 .with_graceful_shutdown(admin_stop.clone().cancelled_owned())
                 .into_future(),
         );

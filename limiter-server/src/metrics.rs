@@ -41,6 +41,19 @@ pub const LEASES_OUTSTANDING: &str = "limiter_lease_outstanding_units";
 pub const LEASES_OPEN: &str = "limiter_leases_open";
 /// Leased units by `fate`: `granted`, `returned`, `spent`, `written_off`.
 pub const LEASE_UNITS: &str = "limiter_lease_units_total";
+/// Store calls that failed, by `kind` (the memory store never fails; networked
+/// stores report here).
+pub const STORE_ERRORS: &str = "limiter_store_errors_total";
+/// 1 while the store's circuit breaker is open.
+pub const STORE_BREAKER_OPEN: &str = "limiter_store_breaker_open";
+/// Routes now deciding by their failure policy (the store is unreachable).
+pub const FALLBACK_ROUTES: &str = "limiter_fallback_routes";
+/// Members of the ownership ring as this node sees it.
+pub const RING_MEMBERS: &str = "limiter_ring_members";
+/// The ring's version; it only grows.
+pub const RING_EPOCH: &str = "limiter_ring_epoch";
+/// Age of this node's membership view, in seconds.
+pub const MEMBERSHIP_AGE: &str = "limiter_membership_view_age_seconds";
 /// 1 while the server is ready to serve (policy loaded, not draining).
 pub const READY: &str = "limiter_ready";
 
@@ -67,6 +80,18 @@ pub fn handle() -> &'static PrometheusHandle {
         }
         describe();
         metrics::gauge!(BUILD_INFO, "version" => env!("CARGO_PKG_VERSION")).set(1.0);
+        // Series that exist from the start, so that dashboards and alerts have data
+        // before the first event of their kind.
+        for result in ["ok", "failed"] {
+            metrics::counter!(POLICY_RELOADS, "result" => result).increment(0);
+        }
+        metrics::counter!(STORE_ERRORS, "kind" => "unavailable").increment(0);
+        metrics::gauge!(STORE_BREAKER_OPEN).set(0.0);
+        metrics::gauge!(FALLBACK_ROUTES).set(0.0);
+        // A single node with a static view of itself until membership is configured.
+        metrics::gauge!(RING_MEMBERS).set(1.0);
+        metrics::gauge!(RING_EPOCH).set(0.0);
+        metrics::gauge!(MEMBERSHIP_AGE).set(0.0);
         handle
     })
 }
@@ -86,6 +111,12 @@ fn describe() {
     describe_gauge!(BUILD_INFO, "Build information.");
     describe_gauge!(READY, "1 while ready to serve.");
     describe_gauge!(LEASES_OUTSTANDING, "Leased units now out with agents.");
+    describe_counter!(STORE_ERRORS, "Store calls that failed, by kind.");
+    describe_gauge!(STORE_BREAKER_OPEN, "1 while the store's circuit breaker is open.");
+    describe_gauge!(FALLBACK_ROUTES, "Routes deciding by their failure policy.");
+    describe_gauge!(RING_MEMBERS, "Members of the ownership ring.");
+    describe_gauge!(RING_EPOCH, "Version of the ownership ring.");
+    describe_gauge!(MEMBERSHIP_AGE, Unit::Seconds, "Age of the membership view.");
     describe_gauge!(LEASES_OPEN, "Leases now open.");
     describe_counter!(LEASE_UNITS, "Leased units by fate: granted, returned, spent, written off.");
 }

@@ -14,6 +14,7 @@ use parking_lot::Mutex;
 
 use crate::config::Limits;
 use crate::error::ServerError;
+use crate::heavy::HeavyHitters;
 use crate::lease::Leases;
 use crate::metrics::{self as m, Api};
 use crate::reload::PolicyHolder;
@@ -123,6 +124,7 @@ pub struct Owner {
     ready: AtomicBool,
     latency: [Histogram; 3],
     leases: Leases,
+    heavy: HeavyHitters,
 }
 
 impl std::fmt::Debug for Owner {
@@ -154,6 +156,7 @@ impl Owner {
             latency: [Api::Native, Api::Envoy, Api::Lease]
                 .map(|a| metrics::histogram!(m::DECISION_SECONDS, "api" => a.as_str())),
             leases: Leases::default(),
+            heavy: HeavyHitters::default(),
         }
     }
 
@@ -165,6 +168,11 @@ impl Owner {
     /// The store.
     pub fn store(&self) -> &Store {
         &self.store
+    }
+
+    /// The heavy hitters (top tenants and keys).
+    pub fn heavy(&self) -> &HeavyHitters {
+        &self.heavy
     }
 
     /// The lease book.
@@ -230,6 +238,7 @@ impl Owner {
                 _ => 0,
             };
             active.counters.record(api, req.route, &verdict);
+            self.heavy.record(req.tenant, req.key, verdict.decision.is_allowed(), charged);
             if !verdict.decision.is_allowed() {
                 tracing::debug!(
                     tenant = req.tenant,

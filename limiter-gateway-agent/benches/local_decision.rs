@@ -76,7 +76,7 @@ fn run_agent(
                                 key: Some(&keys[i % KEYS]),
                                 cost: 1,
                             };
-                            if black_box(agent.decide_local(&req)).is_none() {
+                            if black_box(agent.spend_local(&req)).is_none() {
                                 missed = Some(i % KEYS);
                                 break;
                             }

@@ -484,6 +484,13 @@ impl Agent {
     /// needed. Atomics only: no lock, no allocation, no await.
     #[inline]
     pub fn decide_local(&self, req: &AgentRequest<'_>) -> Option<Outcome> {
+        self.spend_local(req).map(Outcome::local)
+    }
+
+    /// The fast path at its leanest: spends `req.cost` from the local balance and
+    /// returns the units left, or `None` when the owner is needed.
+    #[inline]
+    pub fn spend_local(&self, req: &AgentRequest<'_>) -> Option<u64> {
         let slots = self.inner.slots.load();
         let slot = slots.get(&SlotRef {
             tenant: req.tenant,
@@ -496,7 +503,7 @@ impl Agent {
                 if renew {
                     self.inner.wake.notify_one();
                 }
-                Some(Outcome::local(remaining))
+                Some(remaining)
             }
             Spend::Miss => None,
         }

@@ -264,6 +264,86 @@ struct Slot {
 
 type SlotMap = hashbrown::HashMap<HashedKey, Arc<Slot>>;
 
+/// Shards of the key map: a read is a lock-free load of one shard's map; a new key
+/// copies one shard (copy-on-write), a sixty-fourth of the keys.
+const SHARDS: usize = 64;
+
+struct Slots {
+    shards: Box<[ArcSwap<SlotMap>]>,
+    hasher: hashbrown::DefaultHashBuilder,
+    write: Mutex<()>,
+}
+
+impl Default for Slots {
+    fn default() -> Self {
+        Self {
+            shards: (0..SHARDS).map(|_| ArcSwap::default()).collect(),
+            hasher: hashbrown::DefaultHashBuilder::default(),
+            write: Mutex::new(()),
+        }
+    }
+}
+
+impl Slots {
+    #[inline]
+    fn index(&self, r: &SlotRef<'_>) -> usize {
+        use std::hash::BuildHasher;
+        // High bits: the map itself probes with the low ones of its own hash.
+        (self.hasher.hash_one(r) >> 58) as usize % SHARDS
+    }
+
+    #[inline]
+    fn shard(&self, r: &SlotRef<'_>) -> &ArcSwap<SlotMap> {
+        &self.shards[self.index(r)]
+    }
+
+    /// Applies `f` to the key's slot, if there is one, without taking a reference.
+    #[inline]
+    fn with<T>(&self, r: &SlotRef<'_>, f: impl FnOnce(&Slot) -> T) -> Option<T> {
+        self.shard(r).load().get(r).map(|s| f(s))
+    }
+
+    fn get_or_insert(&self, r: &SlotRef<'_>, make: impl FnOnce() -> Slot) -> Arc<Slot> {
+        let shard = self.shard(r);
+        if let Some(s) = shard.load().get(r) {
+            return s.clone();
+        }
+        let _w = self.write.lock();
+        let current = shard.load_full();
+        if let Some(s) = current.get(r) {
+            return s.clone();
+        }
+        let slot = Arc::new(make());
+        let mut next = SlotMap::clone(&current);
+        next.insert(HashedKey(slot.key.clone()), slot.clone());
+        shard.store(Arc::new(next));
+        slot
+    }
+
+    fn all(&self) -> Vec<(HashedKey, Arc<Slot>)> {
+        self.shards
+            .iter()
+            .flat_map(|s| s.load().iter().map(|(k, v)| (k.clone(), v.clone())).collect::<Vec<_>>())
+            .collect()
+    }
+
+    fn remove(&self, keys: &[HashedKey]) {
+        let mut by_shard: HashMap<usize, Vec<&HashedKey>> = HashMap::new();
+        for k in keys {
+            let (tenant, route, key) = k.0.parts();
+            by_shard.entry(self.index(&SlotRef { tenant, route, key })).or_default().push(k);
+        }
+        let _w = self.write.lock();
+        for (i, keys) in by_shard {
+            let mut next = SlotMap::clone(&self.shards[i].load_full());
+            for k in keys {
+                next.remove(k);
+            }
+            self.shards[i].store(Arc::new(next));
+        }
+    }
+}
+
 /// A circuit breaker over calls to the owner.
 #[derive(Debug)]
 struct Breaker {
@@ -319,8 +399,7 @@ struct Inner {
     config: AgentConfig,
     clock: Arc<dyn Clock>,
     client: RateLimiterClient<Channel>,
-    slots: ArcSwap<SlotMap>,
-    slots_write: Mutex<()>,
+    slots: Slots,
     breaker: Breaker,
     /// Failure policies learned from the owner's grants, by route.
     routes: Mutex<HashMap<Box<str>, FailurePolicy>>,
@@ -450,8 +529,7 @@ impl Agent {
             config,
             clock,
             client,
-            slots: ArcSwap::default(),
-            slots_write: Mutex::new(()),
+            slots: Slots::default(),
             routes: Mutex::default(),
             ceilings: Mutex::default(),
             wake: Arc::new(tokio::sync::Notify::new()),
@@ -465,7 +543,7 @@ impl Agent {
     /// What the agent did so far.
     pub fn stats(&self) -> AgentStats {
         let s = |i: usize| self.inner.stats[i].load(Ordering::Relaxed);
-        let hits: u64 = self.inner.slots.load().values().map(|slot| slot.balance.hits()).sum();
+        let hits: u64 = self.inner.slots.all().iter().map(|(_, slot)| slot.balance.hits()).sum();
         AgentStats {
             local: hits,
             slow: s(SLOW),
@@ -491,14 +569,12 @@ impl Agent {
     /// returns the units left, or `None` when the owner is needed.
     #[inline]
     pub fn spend_local(&self, req: &AgentRequest<'_>) -> Option<u64> {
-        let slots = self.inner.slots.load();
-        let slot = slots.get(&SlotRef {
-            tenant: req.tenant,
-            route: req.route,
-            key: req.key.unwrap_or(""),
-        })?;
-        let now = self.inner.clock.now();
-        match slot.balance.try_spend(now, req.cost) {
+        let r = SlotRef { tenant: req.tenant, route: req.route, key: req.key.unwrap_or("") };
+        let spend = self
+            .inner
+            .slots
+            .with(&r, |slot| slot.balance.try_spend(self.inner.clock.now(), req.cost))?;
+        match spend {
             Spend::Hit { remaining, renew } => {
                 if renew {
                     self.inner.wake.notify_one();
@@ -532,32 +608,24 @@ impl Agent {
 
     fn slot(&self, req: &AgentRequest<'_>) -> Arc<Slot> {
         let r = SlotRef { tenant: req.tenant, route: req.route, key: req.key.unwrap_or("") };
-        if let Some(s) = self.inner.slots.load().get(&r) {
-            return s.clone();
-        }
-        let _w = self.inner.slots_write.lock();
-        let current = self.inner.slots.load_full();
-        if let Some(s) = current.get(&r) {
-            return s.clone();
-        }
-        let key = SlotKey::new(req.tenant, req.route, r.key);
-        let slot =
-            Arc::new(Slot { key: key.clone(), balance: Balance::default(), lease: Arc::default() });
-        slot.balance.touch(self.inner.clock.now());
-        // Copy-on-write: readers keep a lock-free view; new keys are rare.
-        let mut next = SlotMap::clone(&current);
-        next.insert(HashedKey(key), slot.clone());
-        self.inner.slots.store(Arc::new(next));
-        slot
+        self.inner.slots.get_or_insert(&r, || {
+            let slot = Slot {
+                key: SlotKey::new(req.tenant, req.route, r.key),
+                balance: Balance::default(),
+                lease: Arc::default(),
+            };
+            slot.balance.touch(self.inner.clock.now());
+            slot
+        })
     }
 
     /// Gives every held balance back to the owner (a stopping gateway).
     pub async fn shutdown(&self) {
         self.inner.cancel.cancel();
-        let slots = self.inner.slots.load_full();
+        let slots = self.inner.slots.all();
         let mut items = Vec::new();
         let mut guards = Vec::new();
-        for slot in slots.values() {
+        for (_, slot) in &slots {
             let mut g = slot.lease.clone().lock_owned().await;
             if g.lease_id != 0 {
                 let unspent = slot.balance.clear();
@@ -795,10 +863,10 @@ async fn renew_due(inner: &Inner) -> Option<Nanos> {
     }
     let mut next_due: Option<Nanos> = None;
     let idle_after = nanos(inner.config.idle_after);
-    let slots = inner.slots.load_full();
+    let slots = inner.slots.all();
     let mut batch = Vec::new();
     let mut forgotten = Vec::new();
-    for (key, slot) in slots.iter() {
+    for (key, slot) in &slots {
         let Ok(mut st) = slot.lease.clone().try_lock_owned() else { continue };
         if st.lease_id == 0 {
             // Long idle and holding nothing: forget the key (bounded memory).
@@ -830,12 +898,7 @@ async fn renew_due(inner: &Inner) -> Option<Nanos> {
         }
     }
     if !forgotten.is_empty() {
-        let _w = inner.slots_write.lock();
-        let mut next = SlotMap::clone(&inner.slots.load_full());
-        for k in &forgotten {
-            next.remove(k);
-        }
-        inner.slots.store(Arc::new(next));
+        inner.slots.remove(&forgotten);
     }
     if batch.is_empty() {
         return next_due;

@@ -2,13 +2,12 @@
 //! background renewer, and the failure policy when the owner cannot be reached.
 
 use std::collections::HashMap;
-use std::hash::{Hash, Hasher};
+use std::hash::Hash;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Weak};
 use std::time::Duration;
 
 use arc_swap::ArcSwap;
-use hashbrown::Equivalent;
 use limiter_core::algorithm::{Algorithm, Check, TokenBucket, TokenBucketState};
 use limiter_core::clock::{Clock, NANOS_PER_SEC, Nanos};
 use limiter_core::policy::FailurePolicy;
@@ -179,8 +178,8 @@ struct SlotRef<'a> {
     key: &'a str,
 }
 
-impl Equivalent<SlotKey> for SlotRef<'_> {
-    fn equivalent(&self, k: &SlotKey) -> bool {
+impl SlotRef<'_> {
+    fn matches(&self, k: &SlotKey) -> bool {
         k.tenant_len as usize == self.tenant.len()
             && k.route_len as usize == self.route.len()
             && k.text.len() == self.tenant.len() + self.route.len() + self.key.len()
@@ -188,26 +187,10 @@ impl Equivalent<SlotKey> for SlotRef<'_> {
     }
 }
 
-// `SlotKey` must hash exactly like `SlotRef`: the same three strs in order.
-fn hash_parts<H: Hasher>(t: &str, r: &str, k: &str, h: &mut H) {
-    t.hash(h);
-    r.hash(h);
-    k.hash(h);
-}
-
-#[derive(Debug, Clone, PartialEq, Eq)]
-struct HashedKey(SlotKey);
-
-impl Hash for HashedKey {
-    fn hash<H: Hasher>(&self, h: &mut H) {
-        let (t, r, k) = self.0.parts();
-        hash_parts(t, r, k, h);
-    }
-}
-
-impl Equivalent<HashedKey> for SlotRef<'_> {
-    fn equivalent(&self, k: &HashedKey) -> bool {
-        self.equivalent(&k.0)
+impl SlotKey {
+    fn as_ref(&self) -> SlotRef<'_> {
+        let (tenant, route, key) = self.parts();
+        SlotRef { tenant, route, key }
     }
 }
 
@@ -262,7 +245,7 @@ struct Slot {
     lease: Arc<tokio::sync::Mutex<LeaseState>>,
 }
 
-type SlotMap = hashbrown::HashMap<HashedKey, Arc<Slot>>;
+type SlotMap = hashbrown::HashTable<Arc<Slot>>;
 
 /// Shards of the key map: a read is a lock-free load of one shard's map; a new key
 /// copies one shard (copy-on-write), a sixty-fourth of the keys.
@@ -286,58 +269,59 @@ impl Default for Slots {
 
 impl Slots {
     #[inline]
-    fn index(&self, r: &SlotRef<'_>) -> usize {
+    fn hash(&self, r: &SlotRef<'_>) -> u64 {
         use std::hash::BuildHasher;
-        // High bits: the map itself probes with the low ones of its own hash.
-        (self.hasher.hash_one(r) >> 58) as usize % SHARDS
+        self.hasher.hash_one(r)
     }
 
+    /// The shard of a hash: its high bits (each map probes with the low ones).
     #[inline]
-    fn shard(&self, r: &SlotRef<'_>) -> &ArcSwap<SlotMap> {
-        &self.shards[self.index(r)]
+    fn shard(&self, hash: u64) -> &ArcSwap<SlotMap> {
+        &self.shards[(hash >> 58) as usize % SHARDS]
     }
 
     /// Applies `f` to the key's slot, if there is one, without taking a reference.
     #[inline]
     fn with<T>(&self, r: &SlotRef<'_>, f: impl FnOnce(&Slot) -> T) -> Option<T> {
-        self.shard(r).load().get(r).map(|s| f(s))
+        let hash = self.hash(r);
+        self.shard(hash).load().find(hash, |s| r.matches(&s.key)).map(|s| f(s))
     }
 
     fn get_or_insert(&self, r: &SlotRef<'_>, make: impl FnOnce() -> Slot) -> Arc<Slot> {
-        let shard = self.shard(r);
-        if let Some(s) = shard.load().get(r) {
+        let hash = self.hash(r);
+        let shard = self.shard(hash);
+        if let Some(s) = shard.load().find(hash, |s| r.matches(&s.key)) {
             return s.clone();
         }
         let _w = self.write.lock();
         let current = shard.load_full();
-        if let Some(s) = current.get(r) {
+        if let Some(s) = current.find(hash, |s| r.matches(&s.key)) {
             return s.clone();
         }
         let slot = Arc::new(make());
         let mut next = SlotMap::clone(&current);
-        next.insert(HashedKey(slot.key.clone()), slot.clone());
+        next.insert_unique(hash, slot.clone(), |s| self.hash(&s.key.as_ref()));
         shard.store(Arc::new(next));
         slot
     }
 
-    fn all(&self) -> Vec<(HashedKey, Arc<Slot>)> {
-        self.shards
-            .iter()
-            .flat_map(|s| s.load().iter().map(|(k, v)| (k.clone(), v.clone())).collect::<Vec<_>>())
-            .collect()
+    fn all(&self) -> Vec<Arc<Slot>> {
+        self.shards.iter().flat_map(|s| s.load().iter().cloned().collect::<Vec<_>>()).collect()
     }
 
-    fn remove(&self, keys: &[HashedKey]) {
-        let mut by_shard: HashMap<usize, Vec<&HashedKey>> = HashMap::new();
-        for k in keys {
-            let (tenant, route, key) = k.0.parts();
-            by_shard.entry(self.index(&SlotRef { tenant, route, key })).or_default().push(k);
+    fn remove(&self, slots: &[Arc<Slot>]) {
+        let mut by_shard: HashMap<usize, Vec<(u64, &Arc<Slot>)>> = HashMap::new();
+        for s in slots {
+            let hash = self.hash(&s.key.as_ref());
+            by_shard.entry((hash >> 58) as usize % SHARDS).or_default().push((hash, s));
         }
         let _w = self.write.lock();
-        for (i, keys) in by_shard {
+        for (i, gone) in by_shard {
             let mut next = SlotMap::clone(&self.shards[i].load_full());
-            for k in keys {
-                next.remove(k);
+            for (hash, s) in gone {
+                if let Ok(e) = next.find_entry(hash, |x| Arc::ptr_eq(x, s)) {
+                    e.remove();
+                }
             }
             self.shards[i].store(Arc::new(next));
         }
@@ -543,7 +527,7 @@ impl Agent {
     /// What the agent did so far.
     pub fn stats(&self) -> AgentStats {
         let s = |i: usize| self.inner.stats[i].load(Ordering::Relaxed);
-        let hits: u64 = self.inner.slots.all().iter().map(|(_, slot)| slot.balance.hits()).sum();
+        let hits: u64 = self.inner.slots.all().iter().map(|slot| slot.balance.hits()).sum();
         AgentStats {
             local: hits,
             slow: s(SLOW),
@@ -625,7 +609,7 @@ impl Agent {
         let slots = self.inner.slots.all();
         let mut items = Vec::new();
         let mut guards = Vec::new();
-        for (_, slot) in &slots {
+        for slot in &slots {
             let mut g = slot.lease.clone().lock_owned().await;
             if g.lease_id != 0 {
                 let unspent = slot.balance.clear();
@@ -866,14 +850,14 @@ async fn renew_due(inner: &Inner) -> Option<Nanos> {
     let slots = inner.slots.all();
     let mut batch = Vec::new();
     let mut forgotten = Vec::new();
-    for (key, slot) in &slots {
+    for slot in &slots {
         let Ok(mut st) = slot.lease.clone().try_lock_owned() else { continue };
         if st.lease_id == 0 {
             // Long idle and holding nothing: forget the key (bounded memory).
             if now.saturating_sub(slot.balance.last_used()) > FORGET_AFTER_IDLE * idle_after
                 && slot.balance.units() == 0
             {
-                forgotten.push(key.clone());
+                forgotten.push(slot.clone());
             }
             continue;
         }

@@ -119,9 +119,10 @@ async fn a_partition_fails_open_to_the_ceiling_or_closed_and_heals() {
     }
     let first_failure = first_failure.expect("calls failed during the partition");
     let detected = detected.expect("fallback mode entered");
-    // The first failed call began at most one timeout before it failed.
+    // The first failed call began at most one timeout before it failed; the loop sees
+    // both instants up to one iteration late (the slack).
     let detection = detected - (first_failure - timeout);
-    assert!(detection <= 2 * timeout + Duration::from_millis(50), "detection took {detection:?}");
+    assert!(detection <= 2 * timeout + Duration::from_millis(100), "detection took {detection:?}");
     assert!(closed_unavailable, "fail-closed route answered LIMITER_UNAVAILABLE");
     let window = fallback_window.unwrap().elapsed().as_secs_f64();
     let ceiling = 20.0 + 20.0 * window;

@@ -9,6 +9,7 @@
 //! listeners its caller bound (tests pass port 0) and a shutdown future.
 
 pub mod admin;
+pub mod cli;
 pub mod config;
 pub mod convert;
 pub mod dashboard;

@@ -2,31 +2,11 @@
 //! ports, killed or stopped by signal like in production.
 
 use std::net::SocketAddr;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
-
-/// The `limiter-server` binary of this workspace, built if it is not there yet.
-///
-/// # Panics
-///
-/// When it cannot be built.
-pub fn server_binary() -> PathBuf {
-    let target = std::env::var_os("CARGO_TARGET_DIR")
-        .map_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../target"), PathBuf::from);
-    let bin = target.join("debug/limiter-server");
-    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".to_owned());
-    // Cheap when up to date; makes `cargo test -p limiter-tests` work on its own.
-    let status = Command::new(cargo)
-        .args(["build", "-q", "-p", "limiter-server", "--bin", "limiter-server"])
-        .current_dir(env!("CARGO_MANIFEST_DIR"))
-        .status()
-        .expect("cargo runs");
-    assert!(status.success(), "building limiter-server failed");
-    bin
-}
 
 /// A free loopback port (bound then released).
 ///
@@ -49,13 +29,22 @@ pub struct ServerProcess {
 }
 
 impl ServerProcess {
-    /// Starts the server on `policy` at the given addresses and waits until ready.
+    /// Starts the server binary `bin` (the test's
+    /// `env!("CARGO_BIN_EXE_limiter-server-under-test")`, `limiter-server`'s command
+    /// line built by this package) on `policy` at the given addresses, and waits until
+    /// it is ready.
     ///
     /// # Panics
     ///
     /// When it does not become ready within 20 seconds.
-    pub async fn start(policy: &Path, grpc: SocketAddr, admin: SocketAddr, drain_ms: u64) -> Self {
-        let child = Command::new(server_binary())
+    pub async fn start(
+        bin: &Path,
+        policy: &Path,
+        grpc: SocketAddr,
+        admin: SocketAddr,
+        drain_ms: u64,
+    ) -> Self {
+        let child = Command::new(bin)
             .env("LIMITER__POLICY_FILE", policy)
             .env("LIMITER__LISTEN", grpc.to_string())
             .env("LIMITER__ADMIN_LISTEN", admin.to_string())

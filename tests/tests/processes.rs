@@ -22,6 +22,10 @@ tenants:
     limit: { algorithm: token_bucket, rate: 10000/s, burst: 10000 }
 ";
 
+fn bin() -> &'static std::path::Path {
+    std::path::Path::new(env!("CARGO_BIN_EXE_limiter-server-under-test"))
+}
+
 fn req(route: &str) -> AgentRequest<'_> {
     AgentRequest { tenant: "t", route, key: None, cost: 1 }
 }
@@ -32,7 +36,7 @@ async fn an_agent_outlives_its_owner_being_killed_and_restarted() {
     let policy = dir.path().join("policies.yaml");
     std::fs::write(&policy, POLICY).unwrap();
     let (grpc, admin) = (free_addr(), free_addr());
-    let mut owner = ServerProcess::start(&policy, grpc, admin, 0).await;
+    let mut owner = ServerProcess::start(bin(), &policy, grpc, admin, 0).await;
     let config = AgentConfig::new(owner.url(), "gw").with_rpc_timeout(Duration::from_millis(200));
     let agent = Agent::new(config).unwrap();
     for _ in 0..10 {
@@ -65,7 +69,7 @@ async fn an_agent_outlives_its_owner_being_killed_and_restarted() {
     assert!(open_ok > 0 && open_ok <= 10 + 25, "fail-open admitted {open_ok} under 10/s");
 
     // The owner comes back on the same address: the agent leaves fallback by itself.
-    let _owner = ServerProcess::start(&policy, grpc, admin, 0).await;
+    let _owner = ServerProcess::start(bin(), &policy, grpc, admin, 0).await;
     let back = Instant::now();
     let mut recovered = false;
     while back.elapsed() < Duration::from_secs(10) {
@@ -89,7 +93,7 @@ async fn sigterm_turns_readiness_off_then_exits_cleanly() {
     let dir = tempfile::tempdir().unwrap();
     let policy = dir.path().join("policies.yaml");
     std::fs::write(&policy, POLICY).unwrap();
-    let mut server = ServerProcess::start(&policy, free_addr(), free_addr(), 800).await;
+    let mut server = ServerProcess::start(bin(), &policy, free_addr(), free_addr(), 800).await;
     assert_eq!(server.status("/readyz").await, Some(200));
     server.terminate();
     let mut not_ready = false;

@@ -5,7 +5,8 @@
 //! cargo run --release -p limiter-server --example latency
 //! ```
 //!
-//! 16 callers, each sending one call after another (closed loop) for 5 seconds per API.
+//! 16 callers, each sending one call after another (closed loop) for 5 seconds per API,
+//! then the same against `Ping`, an empty call: the transport floor.
 
 #![allow(clippy::disallowed_methods)] // wall-clock latency is what is measured
 
@@ -130,5 +131,27 @@ async fn main() -> anyhow::Result<()> {
         all.extend(t.await?);
     }
     percentiles("ShouldAllow", all);
+
+    // The transport floor: the same server answering an empty call.
+    let tasks: Vec<_> = (0..16)
+        .map(|_| {
+            let mut c = native.clone();
+            tokio::spawn(async move {
+                let mut lat = Vec::new();
+                let start = Instant::now();
+                while start.elapsed() < run {
+                    let at = Instant::now();
+                    c.ping(pb::PingRequest {}).await.expect("answer");
+                    lat.push(at.elapsed());
+                }
+                lat
+            })
+        })
+        .collect();
+    let mut all = Vec::new();
+    for t in tasks {
+        all.extend(t.await?);
+    }
+    percentiles("Ping (empty RPC)", all);
     Ok(())
 }

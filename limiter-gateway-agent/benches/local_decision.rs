@@ -17,8 +17,8 @@ use criterion::{Criterion, criterion_group, criterion_main};
 use governor::{Quota, RateLimiter};
 use limiter_core::clock::{Clock, MonotonicClock};
 use limiter_gateway_agent::{Agent, AgentConfig, AgentRequest};
+use limiter_server::Server;
 use limiter_server::config::ServerConfig;
-use limiter_server::{Listeners, Server};
 
 const KEYS: usize = 1_000;
 
@@ -30,7 +30,11 @@ tenants:
     per_key: { algorithm: token_bucket, rate: 1000000000/s, burst: 1000000000 }
 ";
 
-fn owner(rt: &tokio::runtime::Runtime, dir: &std::path::Path, clock: Arc<dyn Clock>) -> String {
+fn owner(
+    rt: &tokio::runtime::Runtime,
+    dir: &std::path::Path,
+    clock: Arc<dyn Clock>,
+) -> limiter_server::Running {
     let path = dir.join("policies.yaml");
     std::fs::write(&path, POLICY).unwrap();
     let config = ServerConfig::load_with_env(
@@ -39,13 +43,7 @@ fn owner(rt: &tokio::runtime::Runtime, dir: &std::path::Path, clock: Arc<dyn Clo
     )
     .unwrap();
     let server = Server::with_clock(config, clock).unwrap();
-    rt.block_on(async {
-        let grpc = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let admin = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let url = format!("http://{}", grpc.local_addr().unwrap());
-        tokio::spawn(server.run(Listeners { grpc, admin }, std::future::pending()));
-        url
-    })
+    rt.block_on(server.spawn_local()).unwrap()
 }
 
 /// Times `iters` local hits per thread over the keys; misses refill off the clock.
@@ -133,7 +131,8 @@ fn bench(c: &mut Criterion) {
         tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build().unwrap();
     let dir = tempfile::tempdir().unwrap();
     let clock: Arc<dyn Clock> = Arc::new(MonotonicClock::new());
-    let url = owner(&rt, dir.path(), clock.clone());
+    let running = owner(&rt, dir.path(), clock.clone());
+    let url = running.url();
     let agent =
         rt.block_on(async { Agent::with_clock(AgentConfig::new(url, "bench"), clock).unwrap() });
     let keys: Vec<String> = (0..KEYS).map(|i| format!("user-{i}")).collect();

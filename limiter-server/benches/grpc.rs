@@ -14,8 +14,8 @@ use std::time::{Duration, Instant};
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
 use limiter_proto::limiter::v1 as pb;
 use limiter_proto::limiter::v1::rate_limiter_client::RateLimiterClient;
+use limiter_server::Server;
 use limiter_server::config::ServerConfig;
-use limiter_server::{Listeners, Server};
 use tonic::transport::Channel;
 
 const CONCURRENCY: u64 = 64;
@@ -36,7 +36,7 @@ tenants:
     per_key: { algorithm: token_bucket, rate: 1000000/s, burst: 1000000 }
 ";
 
-async fn start(dir: &std::path::Path) -> RateLimiterClient<Channel> {
+async fn start(dir: &std::path::Path) -> (limiter_server::Running, RateLimiterClient<Channel>) {
     let path = dir.join("policies.yaml");
     std::fs::write(&path, POLICY).unwrap();
     let config = ServerConfig::load_with_env(
@@ -44,12 +44,9 @@ async fn start(dir: &std::path::Path) -> RateLimiterClient<Channel> {
         [("LIMITER__POLICY_FILE".to_owned(), path.display().to_string())],
     )
     .unwrap();
-    let server = Server::new(config).unwrap();
-    let grpc = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let admin = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = grpc.local_addr().unwrap();
-    tokio::spawn(server.run(Listeners { grpc, admin }, std::future::pending()));
-    RateLimiterClient::connect(format!("http://{addr}")).await.unwrap()
+    let running = Server::new(config).unwrap().spawn_local().await.unwrap();
+    let client = RateLimiterClient::connect(running.url()).await.unwrap();
+    (running, client)
 }
 
 /// Runs `iters` calls of `call` from `CONCURRENCY` tasks; returns the wall time.
@@ -82,7 +79,7 @@ where
 fn grpc(c: &mut Criterion) {
     let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build().unwrap();
     let dir = tempfile::tempdir().unwrap();
-    let client = rt.block_on(start(dir.path()));
+    let (_running, client) = rt.block_on(start(dir.path()));
     let keys: Arc<Vec<String>> = Arc::new((0..KEYS).map(|i| format!("user-{i}")).collect());
 
     let mut g = c.benchmark_group("grpc_unary_64_concurrent");

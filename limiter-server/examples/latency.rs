@@ -18,8 +18,8 @@ use limiter_proto::envoy::service::ratelimit::v3::RateLimitRequest;
 use limiter_proto::envoy::service::ratelimit::v3::rate_limit_service_client::RateLimitServiceClient;
 use limiter_proto::limiter::v1 as pb;
 use limiter_proto::limiter::v1::rate_limiter_client::RateLimiterClient;
+use limiter_server::Server;
 use limiter_server::config::ServerConfig;
-use limiter_server::{Listeners, Server};
 
 const POLICY: &str = r"
 version: 1
@@ -55,11 +55,8 @@ async fn main() -> anyhow::Result<()> {
         None,
         [("LIMITER__POLICY_FILE".to_owned(), path.display().to_string())],
     )?;
-    let server = Server::new(config)?;
-    let grpc = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
-    let admin = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
-    let url = format!("http://{}", grpc.local_addr()?);
-    tokio::spawn(server.run(Listeners { grpc, admin }, std::future::pending()));
+    let running = Server::new(config)?.spawn_local().await?;
+    let url = running.url();
     let run = Duration::from_secs(5);
 
     let envoy = RateLimitServiceClient::connect(url.clone()).await?;

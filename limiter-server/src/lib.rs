@@ -69,7 +69,78 @@ pub enum RunError {
     Admin(#[from] std::io::Error),
 }
 
+/// A server running in this process on loopback ports the OS chose (tests,
+/// benchmarks, embedding). Dropping it stops the server.
+#[derive(Debug)]
+pub struct Running {
+    /// The gRPC address.
+    pub grpc: std::net::SocketAddr,
+    /// The admin HTTP address.
+    pub admin: std::net::SocketAddr,
+    /// The decision logic.
+    pub owner: Arc<Owner>,
+    stop: Option<tokio::sync::oneshot::Sender<()>>,
+    task: Option<tokio::task::JoinHandle<Result<(), RunError>>>,
+}
+
+impl Running {
+    /// The gRPC URL, like `http://127.0.0.1:40001`.
+    pub fn url(&self) -> String {
+        format!("http://{}", self.grpc)
+    }
+
+    /// Stops the server and waits for its drain.
+    ///
+    /// # Errors
+    ///
+    /// A transport failure while serving.
+    ///
+    /// # Panics
+    ///
+    /// When the server task panicked.
+    pub async fn stop(mut self) -> Result<(), RunError> {
+        if let Some(s) = self.stop.take() {
+            let _ = s.send(());
+        }
+        match self.task.take() {
+            Some(t) => t.await.expect("the server task does not panic"),
+            None => Ok(()),
+        }
+    }
+}
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        if let Some(s) = self.stop.take() {
+            let _ = s.send(());
+        }
+    }
+}
+
 impl Server {
+    /// Serves on `127.0.0.1` ports the OS chooses, in a task of the current runtime.
+    ///
+    /// # Errors
+    ///
+    /// When the ports cannot be bound.
+    pub async fn spawn_local(self) -> std::io::Result<Running> {
+        let grpc = TcpListener::bind("127.0.0.1:0").await?;
+        let admin = TcpListener::bind("127.0.0.1:0").await?;
+        let (grpc_addr, admin_addr) = (grpc.local_addr()?, admin.local_addr()?);
+        let owner = self.owner.clone();
+        let (stop, rx) = tokio::sync::oneshot::channel::<()>();
+        let task = tokio::spawn(self.run(Listeners { grpc, admin }, async {
+            let _ = rx.await;
+        }));
+        Ok(Running {
+            grpc: grpc_addr,
+            admin: admin_addr,
+            owner,
+            stop: Some(stop),
+            task: Some(task),
+        })
+    }
+
     /// Loads and validates the policy; binds nothing.
     ///
     /// # Errors

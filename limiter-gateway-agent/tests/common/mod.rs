@@ -8,15 +8,15 @@ use std::time::Duration;
 
 use limiter_core::clock::Clock;
 use limiter_gateway_agent::{Agent, AgentConfig, AgentRequest};
+use limiter_server::Server;
 use limiter_server::config::ServerConfig;
-use limiter_server::{Listeners, Server};
 use tokio::net::TcpListener;
 
 pub struct Owner {
     pub addr: SocketAddr,
     pub server: Arc<limiter_server::owner::Owner>,
     _dir: tempfile::TempDir,
-    stop: Option<tokio::sync::oneshot::Sender<()>>,
+    _running: limiter_server::Running,
 }
 
 impl Owner {
@@ -32,28 +32,12 @@ impl Owner {
             ],
         )
         .unwrap();
-        let server = Server::with_clock(config, clock).unwrap();
-        let owner = server.owner().clone();
-        let grpc = TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let admin = TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = grpc.local_addr().unwrap();
-        let (stop, rx) = tokio::sync::oneshot::channel();
-        tokio::spawn(server.run(Listeners { grpc, admin }, async {
-            let _ = rx.await;
-        }));
-        Self { addr, server: owner, _dir: dir, stop: Some(stop) }
+        let running = Server::with_clock(config, clock).unwrap().spawn_local().await.unwrap();
+        Self { addr: running.grpc, server: running.owner.clone(), _dir: dir, _running: running }
     }
 
     pub fn url(&self) -> String {
         format!("http://{}", self.addr)
-    }
-}
-
-impl Drop for Owner {
-    fn drop(&mut self) {
-        if let Some(s) = self.stop.take() {
-            let _ = s.send(());
-        }
     }
 }
 

@@ -10,9 +10,8 @@ use limiter_proto::envoy::service::ratelimit::v3::rate_limit_service_client::Rat
 use limiter_proto::limiter::v1 as pb;
 use limiter_proto::limiter::v1::rate_limiter_client::RateLimiterClient;
 use limiter_server::config::ServerConfig;
-use limiter_server::{Listeners, Server};
+use limiter_server::{Running, Server};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::TcpListener;
 use tonic::transport::Channel;
 
 pub struct TestServer {
@@ -20,8 +19,7 @@ pub struct TestServer {
     pub admin: SocketAddr,
     pub dir: tempfile::TempDir,
     pub policy: PathBuf,
-    stop: Option<tokio::sync::oneshot::Sender<()>>,
-    task: Option<tokio::task::JoinHandle<()>>,
+    running: Running,
 }
 
 impl TestServer {
@@ -38,27 +36,8 @@ impl TestServer {
         ];
         vars.extend(env.iter().map(|(k, v)| ((*k).to_owned(), (*v).to_owned())));
         let config = ServerConfig::load_with_env(None, vars).unwrap();
-        let server = Server::new(config).unwrap();
-        let grpc = TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let admin = TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let (grpc_addr, admin_addr) = (grpc.local_addr().unwrap(), admin.local_addr().unwrap());
-        let (stop, rx) = tokio::sync::oneshot::channel();
-        let task = tokio::spawn(async move {
-            server
-                .run(Listeners { grpc, admin }, async {
-                    let _ = rx.await;
-                })
-                .await
-                .unwrap();
-        });
-        Self {
-            grpc: grpc_addr,
-            admin: admin_addr,
-            dir,
-            policy: path,
-            stop: Some(stop),
-            task: Some(task),
-        }
+        let running = Server::new(config).unwrap().spawn_local().await.unwrap();
+        Self { grpc: running.grpc, admin: running.admin, dir, policy: path, running }
     }
 
     pub async fn start(policy: &str) -> Self {
@@ -79,13 +58,8 @@ impl TestServer {
     }
 
     /// Stops the server and waits for it.
-    pub async fn stop(mut self) {
-        if let Some(s) = self.stop.take() {
-            let _ = s.send(());
-        }
-        if let Some(t) = self.task.take() {
-            tokio::time::timeout(Duration::from_secs(10), t).await.unwrap().unwrap();
-        }
+    pub async fn stop(self) {
+        tokio::time::timeout(Duration::from_secs(10), self.running.stop()).await.unwrap().unwrap();
     }
 }
 

@@ -46,6 +46,36 @@ fn percentiles(name: &str, mut v: Vec<Duration>) {
     );
 }
 
+/// Runs `call(caller, i)` from 16 closed-loop callers for `run`; every call's latency.
+async fn measure<F, Fut>(run: Duration, call: F) -> anyhow::Result<Vec<Duration>>
+where
+    F: Fn(u64, u64) -> Fut + Clone + Send + 'static,
+    Fut: std::future::Future<Output = ()> + Send,
+{
+    let tasks: Vec<_> = (0..16)
+        .map(|t| {
+            let call = call.clone();
+            tokio::spawn(async move {
+                let mut lat = Vec::new();
+                let start = Instant::now();
+                let mut i = 0;
+                while start.elapsed() < run {
+                    let at = Instant::now();
+                    call(t, i).await;
+                    lat.push(at.elapsed());
+                    i += 1;
+                }
+                lat
+            })
+        })
+        .collect();
+    let mut all = Vec::new();
+    for t in tasks {
+        all.extend(t.await?);
+    }
+    Ok(all)
+}
+
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let dir = tempfile::tempdir()?;
@@ -60,95 +90,50 @@ async fn main() -> anyhow::Result<()> {
     let run = Duration::from_secs(5);
 
     let envoy = RateLimitServiceClient::connect(url.clone()).await?;
-    let tasks: Vec<_> = (0..16)
-        .map(|t| {
-            let mut c = envoy.clone();
-            tokio::spawn(async move {
-                let mut lat = Vec::new();
-                let start = Instant::now();
-                let mut i = 0u64;
-                while start.elapsed() < run {
-                    let d = RateLimitDescriptor {
-                        entries: vec![
-                            Entry { key: "route".into(), value: "/search".into() },
-                            Entry {
-                                key: "user".into(),
-                                value: format!("u{}", (t * 1_000 + i) % 5_000),
-                            },
-                        ],
-                        limit: None,
-                        hits_addend: None,
-                    };
-                    let req = RateLimitRequest {
-                        domain: "acme".into(),
-                        descriptors: vec![d],
-                        hits_addend: 1,
-                    };
-                    let at = Instant::now();
-                    c.should_rate_limit(req).await.expect("answer");
-                    lat.push(at.elapsed());
-                    i += 1;
-                }
-                lat
-            })
-        })
-        .collect();
-    let mut all = Vec::new();
-    for t in tasks {
-        all.extend(t.await?);
-    }
-    percentiles("ShouldRateLimit", all);
+    let lat = measure(run, move |t, i| {
+        let mut c = envoy.clone();
+        async move {
+            let d = RateLimitDescriptor {
+                entries: vec![
+                    Entry { key: "route".into(), value: "/search".into() },
+                    Entry { key: "user".into(), value: format!("u{}", (t * 1_000 + i) % 5_000) },
+                ],
+                limit: None,
+                hits_addend: None,
+            };
+            let req =
+                RateLimitRequest { domain: "acme".into(), descriptors: vec![d], hits_addend: 1 };
+            c.should_rate_limit(req).await.expect("answer");
+        }
+    })
+    .await?;
+    percentiles("ShouldRateLimit", lat);
 
     let native = RateLimiterClient::connect(url).await?;
-    let tasks: Vec<_> = (0..16)
-        .map(|t| {
-            let mut c = native.clone();
-            tokio::spawn(async move {
-                let mut lat = Vec::new();
-                let start = Instant::now();
-                let mut i = 0u64;
-                while start.elapsed() < run {
-                    let req = pb::ShouldAllowRequest {
-                        tenant: "acme".into(),
-                        route: "/search".into(),
-                        key: format!("u{}", (t * 1_000 + i) % 5_000),
-                        ..Default::default()
-                    };
-                    let at = Instant::now();
-                    c.should_allow(req).await.expect("answer");
-                    lat.push(at.elapsed());
-                    i += 1;
-                }
-                lat
-            })
-        })
-        .collect();
-    let mut all = Vec::new();
-    for t in tasks {
-        all.extend(t.await?);
-    }
-    percentiles("ShouldAllow", all);
+    let n = native.clone();
+    let lat = measure(run, move |t, i| {
+        let mut c = n.clone();
+        async move {
+            let req = pb::ShouldAllowRequest {
+                tenant: "acme".into(),
+                route: "/search".into(),
+                key: format!("u{}", (t * 1_000 + i) % 5_000),
+                ..Default::default()
+            };
+            c.should_allow(req).await.expect("answer");
+        }
+    })
+    .await?;
+    percentiles("ShouldAllow", lat);
 
     // The transport floor: the same server answering an empty call.
-    let tasks: Vec<_> = (0..16)
-        .map(|_| {
-            let mut c = native.clone();
-            tokio::spawn(async move {
-                let mut lat = Vec::new();
-                let start = Instant::now();
-                while start.elapsed() < run {
-                    let at = Instant::now();
-                    c.ping(pb::PingRequest {}).await.expect("answer");
-                    lat.push(at.elapsed());
-                }
-                lat
-            })
-        })
-        .collect();
-    let mut all = Vec::new();
-    for t in tasks {
-        all.extend(t.await?);
-    }
-    percentiles("Ping (empty RPC)", all);
+    let lat = measure(run, move |_, _| {
+        let mut c = native.clone();
+        async move {
+            c.ping(pb::PingRequest {}).await.expect("answer");
+        }
+    })
+    .await?;
+    percentiles("Ping (empty RPC)", lat);
     Ok(())
 }

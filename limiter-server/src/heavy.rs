@@ -120,7 +120,15 @@ impl HeavyHitters {
         }
         tenants.lock().add(tenant, weight);
         if let Some(k) = key {
-            keys.lock().add(&format!("{tenant}/{k}"), weight);
+            // A per-thread buffer: no allocation per decision for the pair's name.
+            thread_local!(static PAIR: std::cell::RefCell<String> = const { std::cell::RefCell::new(String::new()) });
+            PAIR.with_borrow_mut(|pair| {
+                pair.clear();
+                pair.push_str(tenant);
+                pair.push('/');
+                pair.push_str(k);
+                keys.lock().add(pair, weight);
+            });
         }
     }
 

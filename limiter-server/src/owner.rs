@@ -31,7 +31,7 @@ pub struct Outcome {
     /// Units charged (0 for a rejection or dry run).
     pub charged: u64,
     /// The name of the binding level's limit, if any level applies.
-    pub limit_name: Option<Box<str>>,
+    pub limit_name: Option<Arc<str>>,
     /// The policy version that decided.
     pub policy_version: u64,
     /// When it was decided (clock nanoseconds).

@@ -31,7 +31,7 @@ pub struct LimitRule {
     /// The limit (shared with the state table's slots).
     pub limit: Arc<Limit>,
     /// The name reported in `RateLimit-Policy` headers and the admin port.
-    pub name: Box<str>,
+    pub name: Arc<str>,
 }
 
 /// What a gateway does for a route when the limiter cannot be reached.

@@ -45,7 +45,10 @@ async fn each_algorithm_is_enforced() {
         assert_eq!(r.reason(), pb::Reason::TenantLimit, "{tenant}");
         assert_eq!(r.scope(), pb::Scope::Tenant);
         let wait = r.retry_after.unwrap();
-        assert!(wait.seconds > 0 && wait.seconds <= 3_600, "{tenant}: {wait:?}");
+        // Within the window (1 h), or two for the sliding counter, whose previous
+        // window's weight fades through the next one.
+        let most = if tenant == "sc" { 7_200 } else { 3_600 };
+        assert!(wait.seconds > 0 && wait.seconds <= most, "{tenant}: {wait:?}");
         let limit = r.limit.unwrap();
         assert_eq!(limit.quota, 5);
         assert_eq!(limit.name, "tenant");

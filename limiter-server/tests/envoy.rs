@@ -16,7 +16,7 @@ tenants:
   shop:
     limit: { algorithm: fixed_window, limit: 10, window: 1m, name: shop-minute }
     routes:
-      /cart: { algorithm: fixed_window, limit: 3, window: 1s, name: cart }
+      /cart: { algorithm: fixed_window, limit: 3, window: 1h, name: cart }
     per_key: { algorithm: token_bucket, rate: 2/s, burst: 4, name: per-user }
 ";
 
@@ -53,11 +53,11 @@ async fn several_descriptors_answered_in_order_with_headers() {
     let r = c.should_rate_limit(req.clone()).await.unwrap().into_inner();
     assert_eq!(r.overall_code(), Code::Ok);
     assert_eq!(r.statuses.len(), 2);
-    // Descriptor 0: tenant x route, 3 per second, 1 used.
+    // Descriptor 0: tenant x route, 3 per hour (an hour: no window ends mid-test), 1 used.
     let d0 = &r.statuses[0];
     assert_eq!(d0.code(), Code::Ok);
     let l0 = d0.current_limit.as_ref().unwrap();
-    assert_eq!((l0.requests_per_unit, l0.unit(), l0.name.as_str()), (3, Unit::Second, "cart"));
+    assert_eq!((l0.requests_per_unit, l0.unit(), l0.name.as_str()), (3, Unit::Hour, "cart"));
     assert_eq!(d0.limit_remaining, 2);
     // Descriptor 1: its own hits_addend (2) against the per-user bucket of 4.
     let d1 = &r.statuses[1];
@@ -65,10 +65,10 @@ async fn several_descriptors_answered_in_order_with_headers() {
     assert_eq!(d1.limit_remaining, 2);
     assert!(d1.duration_until_reset.is_some());
     let policy = header(&r, "RateLimit-Policy").unwrap();
-    assert!(policy.contains(r#""cart";q=3;w=1"#), "{policy}");
+    assert!(policy.contains(r#""cart";q=3;w=3600"#), "{policy}");
     assert!(policy.contains(r#""per-user";q=4;w=2"#), "{policy}");
     let limit = header(&r, "RateLimit").unwrap();
-    assert!(limit.contains(r#""cart";r=2;t=1"#), "{limit}");
+    assert!(limit.contains(r#""cart";r=2;t="#), "{limit}");
     assert!(header(&r, "Retry-After").is_none());
 
     // Two more /cart calls use it up; the next is OVER_LIMIT with Retry-After and reason.
@@ -81,7 +81,8 @@ async fn several_descriptors_answered_in_order_with_headers() {
     assert_eq!(r.overall_code(), Code::OverLimit);
     assert_eq!(r.statuses[0].code(), Code::OverLimit);
     assert_eq!(r.statuses[0].limit_remaining, 0);
-    assert_eq!(header(&r, "Retry-After"), Some("1"));
+    let retry: u64 = header(&r, "Retry-After").unwrap().parse().unwrap();
+    assert!((1..=3_600).contains(&retry), "{retry}");
     assert_eq!(header(&r, "x-ratelimit-reason"), Some("TENANT_ROUTE_LIMIT"));
     s.stop().await;
 }

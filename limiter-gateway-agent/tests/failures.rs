@@ -124,8 +124,10 @@ async fn a_partition_fails_open_to_the_ceiling_or_closed_and_heals() {
     let detection = detected - (first_failure - timeout);
     assert!(detection <= 2 * timeout + Duration::from_millis(100), "detection took {detection:?}");
     assert!(closed_unavailable, "fail-closed route answered LIMITER_UNAVAILABLE");
+    // The ceiling's bucket starts full (20) when the first fallback decision is made;
+    // the window is measured from just after it: one unit of slack for that instant.
     let window = fallback_window.unwrap().elapsed().as_secs_f64();
-    let ceiling = 20.0 + 20.0 * window;
+    let ceiling = 20.0 + 20.0 * window + 1.0;
     assert!(fallback_open as f64 <= ceiling, "fail-open admitted {fallback_open} > {ceiling:.0}");
     assert!(fallback_open > 0);
 

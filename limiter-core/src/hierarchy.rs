@@ -166,6 +166,20 @@ impl Limiter {
         }
     }
 
+    /// Units left at the tightest level (`u64::MAX` when no level applies).
+    pub fn remaining(&self, chain: &Chain<'_>, now: Nanos) -> u64 {
+        let locked = self.table.lock(chain.keys());
+        let fresh = LimitState::Fresh;
+        chain
+            .levels()
+            .enumerate()
+            .map(|(i, l)| {
+                l.rule.limit.remaining(locked.get(i, &l.rule.limit).unwrap_or(&fresh), now)
+            })
+            .min()
+            .unwrap_or(u64::MAX)
+    }
+
     /// Every level's state, without charging anything (diagnostics, tests).
     pub fn inspect(&self, chain: &Chain<'_>, now: Nanos) -> Vec<LevelView> {
         let locked = self.table.lock(chain.keys());
@@ -196,10 +210,9 @@ impl Limiter {
         let fresh = LimitState::Fresh;
         let mut units = max;
         let mut binding = None;
-        let mut hold = hold;
+        let hold = chain.grant_hold(now, hold);
         for (i, level) in chain.levels().enumerate() {
             let limit = &level.rule.limit;
-            hold = limit.grant_hold(now, hold);
             let r = limit.remaining(locked.get(i, limit).unwrap_or(&fresh), now);
             if r < units {
                 units = r;

@@ -37,11 +37,7 @@ fn owner(
 ) -> limiter_server::Running {
     let path = dir.join("policies.yaml");
     std::fs::write(&path, POLICY).unwrap();
-    let config = ServerConfig::load_with_env(
-        None,
-        [("LIMITER__POLICY_FILE".to_owned(), path.display().to_string())],
-    )
-    .unwrap();
+    let config = ServerConfig::for_policy(&path).unwrap();
     let server = Server::with_clock(config, clock).unwrap();
     rt.block_on(server.spawn_local()).unwrap()
 }

@@ -39,11 +39,7 @@ tenants:
 async fn start(dir: &std::path::Path) -> (limiter_server::Running, RateLimiterClient<Channel>) {
     let path = dir.join("policies.yaml");
     std::fs::write(&path, POLICY).unwrap();
-    let config = ServerConfig::load_with_env(
-        None,
-        [("LIMITER__POLICY_FILE".to_owned(), path.display().to_string())],
-    )
-    .unwrap();
+    let config = ServerConfig::for_policy(&path).unwrap();
     let running = Server::new(config).unwrap().spawn_local().await.unwrap();
     let client = RateLimiterClient::connect(running.url()).await.unwrap();
     (running, client)

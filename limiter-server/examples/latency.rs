@@ -81,10 +81,7 @@ async fn main() -> anyhow::Result<()> {
     let dir = tempfile::tempdir()?;
     let path = dir.path().join("policies.yaml");
     std::fs::write(&path, POLICY)?;
-    let config = ServerConfig::load_with_env(
-        None,
-        [("LIMITER__POLICY_FILE".to_owned(), path.display().to_string())],
-    )?;
+    let config = ServerConfig::for_policy(&path)?;
     let running = Server::new(config)?.spawn_local().await?;
     let url = running.url();
     let run = Duration::from_secs(5);

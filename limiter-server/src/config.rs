@@ -177,6 +177,19 @@ impl ServerConfig {
         Self::load_with_env(file, std::env::vars())
     }
 
+    /// Defaults with `policy` as the policy file, nothing else read (tests, benches,
+    /// embedding).
+    ///
+    /// # Errors
+    ///
+    /// None in practice: the defaults are valid.
+    pub fn for_policy(policy: &Path) -> Result<Self, ConfigError> {
+        Self::load_with_env(
+            None,
+            [("LIMITER__POLICY_FILE".to_owned(), policy.display().to_string())],
+        )
+    }
+
     /// Like [`Self::load`] with an explicit environment (tests).
     ///
     /// # Errors

@@ -163,8 +163,7 @@ impl Owner {
                 continue;
             }
             // How long the grant can be spent: the route's TTL, cut by window ends.
-            let hold =
-                chain.levels().fold(chain.route.lease.ttl, |h, l| l.rule.limit.grant_hold(now, h));
+            let hold = chain.grant_hold(now, chain.route.lease.ttl);
             // No more than the agent can spend in that time at its demand.
             let by_time =
                 u128::from(item.demand_per_sec) * u128::from(hold) / u128::from(NANOS_PER_SEC) + 1;

@@ -111,9 +111,7 @@ impl Store {
     /// When the store cannot be reached.
     pub async fn remaining(&self, chain: &Chain<'_>, now: Nanos) -> Result<u64, ServerError> {
         match self {
-            Self::Memory(l) => {
-                Ok(l.inspect(chain, now).iter().map(|v| v.remaining).min().unwrap_or(u64::MAX))
-            }
+            Self::Memory(l) => Ok(l.remaining(chain, now)),
         }
     }
 

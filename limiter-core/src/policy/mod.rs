@@ -229,6 +229,12 @@ impl<'a> Chain<'a> {
         })
     }
 
+    /// How long units granted at `now` may be spent, at most `hold`: cut by the end of
+    /// any window level's window (and a sliding log's own cap).
+    pub fn grant_hold(&self, now: Nanos, hold: Nanos) -> Nanos {
+        self.levels().fold(hold, |h, l| l.rule.limit.grant_hold(now, h))
+    }
+
     /// The counters of the levels, outermost first.
     pub fn keys(&self) -> &[LimitKeyRef<'a>] {
         &self.keys[..self.len]

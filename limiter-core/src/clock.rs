@@ -95,11 +95,6 @@ impl Clock for ManualClock {
     }
 }
 
-/// Converts nanoseconds to a [`Duration`].
-pub fn to_duration(nanos: Nanos) -> Duration {
-    Duration::from_nanos(nanos)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;

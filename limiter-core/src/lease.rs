@@ -141,11 +141,6 @@ impl<K: Clone> LeaseBook<K> {
     pub fn totals(&self) -> LeaseTotals {
         self.totals
     }
-
-    /// Open leases of `holder`.
-    pub fn held_by(&self, holder: u64) -> usize {
-        self.open.values().filter(|r| r.holder == holder).count()
-    }
 }
 
 #[cfg(test)]

@@ -13,6 +13,7 @@ pub mod algorithm;
 pub mod clock;
 pub mod decision;
 pub mod error;
+pub mod failure;
 pub mod headers;
 pub mod hierarchy;
 pub mod key;

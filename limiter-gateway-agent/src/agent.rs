@@ -8,11 +8,11 @@ use std::sync::{Arc, Weak};
 use std::time::Duration;
 
 use arc_swap::ArcSwap;
-use limiter_core::algorithm::{Algorithm, Check, TokenBucket, TokenBucketState};
 use limiter_core::clock::{Clock, NANOS_PER_SEC, Nanos};
+use limiter_core::failure::{Breaker, EmergencyCeilings};
 use limiter_core::policy::FailurePolicy;
 use limiter_core::rate::Rate;
-use limiter_core::{Reason, Scope};
+use limiter_core::{Decision, Reason, Scope};
 use limiter_proto::limiter::v1 as pb;
 use limiter_proto::limiter::v1::rate_limiter_client::RateLimiterClient;
 use parking_lot::Mutex;
@@ -328,57 +328,6 @@ impl Slots {
     }
 }
 
-/// A circuit breaker over calls to the owner.
-#[derive(Debug)]
-struct Breaker {
-    failures: AtomicU64,
-    open_until: AtomicU64,
-    threshold: u64,
-    probe_every: Nanos,
-}
-
-impl Breaker {
-    fn tripped(&self) -> bool {
-        self.failures.load(Ordering::Acquire) >= self.threshold
-    }
-
-    /// Whether a call may go out now: closed, or open and due for one probe.
-    fn allow(&self, now: Nanos) -> bool {
-        if !self.tripped() {
-            return true;
-        }
-        let until = self.open_until.load(Ordering::Acquire);
-        now >= until
-            && self
-                .open_until
-                .compare_exchange(
-                    until,
-                    now + self.probe_every,
-                    Ordering::AcqRel,
-                    Ordering::Acquire,
-                )
-                .is_ok()
-    }
-
-    fn success(&self) {
-        if self.failures.swap(0, Ordering::AcqRel) >= self.threshold {
-            tracing::info!("owner reachable again: leaving fallback mode");
-            metrics::gauge!(crate::FALLBACK).set(0.0);
-        }
-    }
-
-    fn failure(&self, now: Nanos) {
-        let n = self.failures.fetch_add(1, Ordering::AcqRel) + 1;
-        if n >= self.threshold {
-            self.open_until.store(now + self.probe_every, Ordering::Release);
-            if n == self.threshold {
-                tracing::warn!("owner unreachable: routes follow their failure policy");
-                metrics::gauge!(crate::FALLBACK).set(1.0);
-            }
-        }
-    }
-}
-
 struct Inner {
     config: AgentConfig,
     clock: Arc<dyn Clock>,
@@ -388,7 +337,7 @@ struct Inner {
     /// Failure policies learned from the owner's grants, by route.
     routes: Mutex<HashMap<Box<str>, FailurePolicy>>,
     /// Emergency ceilings of fail-open routes, by route.
-    ceilings: Mutex<HashMap<Box<str>, (TokenBucket, TokenBucketState)>>,
+    ceilings: EmergencyCeilings,
     wake: Arc<tokio::sync::Notify>,
     cancel: CancellationToken,
     stats: [AtomicU64; 4],
@@ -504,18 +453,16 @@ impl Agent {
             .tcp_nodelay(true);
         let client = RateLimiterClient::new(endpoint.connect_lazy());
         let inner = Arc::new(Inner {
-            breaker: Breaker {
-                failures: AtomicU64::new(0),
-                open_until: AtomicU64::new(0),
-                threshold: u64::from(config.breaker_threshold.max(1)),
-                probe_every: nanos(config.probe_interval),
-            },
+            breaker: Breaker::new(
+                u64::from(config.breaker_threshold),
+                nanos(config.probe_interval),
+            ),
             config,
             clock,
             client,
             slots: Slots::default(),
             routes: Mutex::default(),
-            ceilings: Mutex::default(),
+            ceilings: EmergencyCeilings::default(),
             wake: Arc::new(tokio::sync::Notify::new()),
             cancel: CancellationToken::new(),
             stats: Default::default(),
@@ -539,7 +486,7 @@ impl Agent {
 
     /// Whether the owner is considered unreachable (routes follow their policy).
     pub fn in_fallback(&self) -> bool {
-        self.inner.breaker.tripped()
+        self.inner.breaker.is_open()
     }
 
     /// The fast path: a decision from the local balance, or `None` when the owner is
@@ -659,13 +606,21 @@ impl Inner {
             Ok(Err(s)) => Err(s),
             Err(_) => Err(tonic::Status::deadline_exceeded("owner did not answer in time")),
         };
-        match &result {
-            Ok(_) => self.breaker.success(),
+        let healthy = match &result {
+            Ok(_) => true,
             // A malformed request is ours, not the owner's trouble.
-            Err(s) if s.code() == tonic::Code::InvalidArgument => self.breaker.success(),
-            Err(_) => {
-                self.stats[FAILED].fetch_add(1, Ordering::Relaxed);
-                self.breaker.failure(self.clock.now());
+            Err(s) => s.code() == tonic::Code::InvalidArgument,
+        };
+        if healthy {
+            if self.breaker.success() {
+                tracing::info!("owner reachable again: leaving fallback mode");
+                metrics::gauge!(crate::FALLBACK).set(0.0);
+            }
+        } else {
+            self.stats[FAILED].fetch_add(1, Ordering::Relaxed);
+            if self.breaker.failure(self.clock.now()) {
+                tracing::warn!("owner unreachable: routes follow their failure policy");
+                metrics::gauge!(crate::FALLBACK).set(1.0);
             }
         }
         result
@@ -728,33 +683,12 @@ impl Inner {
             .copied()
             .or_else(|| self.config.routes.get(route).copied())
             .unwrap_or(self.config.default_failure);
-        match policy {
-            FailurePolicy::FailClosed => {
-                Outcome::rejected(Reason::LimiterUnavailable, 0, Source::Fallback)
+        match self.ceilings.decide(route, policy, cost, self.clock.now()) {
+            Decision::Allowed { remaining, .. } => {
+                Outcome { remaining, source: Source::Fallback, ..Outcome::local(remaining) }
             }
-            FailurePolicy::FailOpen { emergency_ceiling } => {
-                let now = self.clock.now();
-                let mut ceilings = self.ceilings.lock();
-                let (bucket, state) = ceilings.entry(route.into()).or_insert_with(|| {
-                    (
-                        TokenBucket::new(emergency_ceiling, emergency_ceiling.amount()),
-                        TokenBucketState::default(),
-                    )
-                });
-                if bucket.rate() != emergency_ceiling {
-                    *bucket = TokenBucket::new(emergency_ceiling, emergency_ceiling.amount());
-                }
-                match bucket.try_acquire(state, now, cost.min(bucket.capacity().max(1))) {
-                    Check::Admit { remaining } if cost <= bucket.capacity() => {
-                        Outcome { remaining, source: Source::Fallback, ..Outcome::local(remaining) }
-                    }
-                    Check::Deny { retry_after } => {
-                        Outcome::rejected(Reason::EmergencyCeiling, retry_after, Source::Fallback)
-                    }
-                    Check::Admit { .. } => {
-                        Outcome::rejected(Reason::EmergencyCeiling, 0, Source::Fallback)
-                    }
-                }
+            Decision::Rejected { reason, retry_after, .. } => {
+                Outcome::rejected(reason, retry_after, Source::Fallback)
             }
         }
     }

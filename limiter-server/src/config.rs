@@ -13,6 +13,8 @@ use limiter_core::key::MAX_NAME_LEN;
 use limiter_core::policy::NameBounds;
 use serde::Deserialize;
 
+use crate::store::redis::{RedisClock, RedisSettings};
+
 /// Exit status for bad configuration (`EX_CONFIG`... `EX_USAGE` in sysexits: 64).
 pub const EXIT_BAD_CONFIG: i32 = 64;
 
@@ -35,6 +37,22 @@ struct RawStore {
     kind: String,
     max_keys: i64,
     sweep_interval_ms: i64,
+    redis: RawRedis,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawRedis {
+    url: String,
+    cluster_nodes: String,
+    connections: i64,
+    connect_timeout_ms: i64,
+    command_timeout_ms: i64,
+    breaker_threshold: i64,
+    probe_interval_ms: i64,
+    key_prefix: String,
+    clock: String,
+    batches: bool,
 }
 
 #[derive(Debug, Deserialize)]
@@ -78,6 +96,17 @@ store:
   kind: memory
   max_keys: 1000000
   sweep_interval_ms: 10000
+  redis:
+    url: "redis://127.0.0.1:6379"
+    cluster_nodes: ""
+    connections: 2
+    connect_timeout_ms: 500
+    command_timeout_ms: 100
+    breaker_threshold: 5
+    probe_interval_ms: 1000
+    key_prefix: lim
+    clock: redis
+    batches: true
 limits:
   max_tenant_len: 128
   max_route_len: 256
@@ -146,6 +175,8 @@ pub struct ServerConfig {
     pub admin_listen: SocketAddr,
     /// The policy file.
     pub policy_file: PathBuf,
+    /// Where counters live.
+    pub store: StoreKind,
     /// Most counters held in memory.
     pub max_keys: usize,
     /// How often idle counters are swept.
@@ -160,6 +191,15 @@ pub struct ServerConfig {
     pub drain_delay: Duration,
     /// Then in-flight calls get this long to finish.
     pub grace: Duration,
+}
+
+/// The store chosen in `store.kind`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum StoreKind {
+    /// In the server's memory (`memory`, the default).
+    Memory,
+    /// In Redis (`redis`, settings under `store.redis`).
+    Redis(RedisSettings),
 }
 
 /// Every problem found in the configuration.
@@ -240,6 +280,65 @@ fn millis(errors: &mut Vec<String>, name: &str, v: i64, allow_zero: bool) -> Dur
     Duration::from_millis(u64::try_from(v).unwrap_or(0))
 }
 
+fn redis_settings(errors: &mut Vec<String>, r: &RawRedis) -> RedisSettings {
+    let url_ok = |u: &str| u.starts_with("redis://") || u.starts_with("rediss://");
+    if !url_ok(&r.url) {
+        errors.push(format!(
+            "store.redis.url: expected redis://[:password@]host:port or rediss:// (TLS), found `{}`",
+            r.url
+        ));
+    }
+    let cluster_nodes: Vec<String> = r
+        .cluster_nodes
+        .split(',')
+        .map(str::trim)
+        .filter(|n| !n.is_empty())
+        .map(str::to_owned)
+        .collect();
+    for n in cluster_nodes.iter().filter(|n| !url_ok(n)) {
+        errors.push(format!("store.redis.cluster_nodes: `{n}` is not a redis:// or rediss:// URL"));
+    }
+    if r.key_prefix.is_empty() || r.key_prefix.contains(['{', '}']) {
+        errors.push("store.redis.key_prefix: must be non-empty, without `{` or `}`".to_owned());
+    }
+    let clock = match r.clock.as_str() {
+        "redis" => RedisClock::Redis,
+        "server" => RedisClock::Server,
+        other => {
+            errors
+                .push(format!("store.redis.clock: expected `redis` or `server`, found `{other}`"));
+            RedisClock::Redis
+        }
+    };
+    RedisSettings {
+        url: r.url.clone(),
+        cluster_nodes,
+        connections: positive(errors, "store.redis.connections", r.connections, 64),
+        connect_timeout: millis(
+            errors,
+            "store.redis.connect_timeout_ms",
+            r.connect_timeout_ms,
+            false,
+        ),
+        command_timeout: millis(
+            errors,
+            "store.redis.command_timeout_ms",
+            r.command_timeout_ms,
+            false,
+        ),
+        breaker_threshold: positive(
+            errors,
+            "store.redis.breaker_threshold",
+            r.breaker_threshold,
+            1_000,
+        ) as u64,
+        probe_interval: millis(errors, "store.redis.probe_interval_ms", r.probe_interval_ms, false),
+        key_prefix: r.key_prefix.clone(),
+        clock,
+        batches: r.batches,
+    }
+}
+
 impl TryFrom<Raw> for ServerConfig {
     type Error = ConfigError;
 
@@ -261,12 +360,14 @@ impl TryFrom<Raw> for ServerConfig {
                 PathBuf::new()
             }
         };
-        if raw.store.kind != "memory" {
-            errors.push(format!(
-                "store.kind: `{}` is not supported; expected `memory`",
-                raw.store.kind
-            ));
-        }
+        let store = match raw.store.kind.as_str() {
+            "memory" => StoreKind::Memory,
+            "redis" => StoreKind::Redis(redis_settings(&mut errors, &raw.store.redis)),
+            other => {
+                errors.push(format!("store.kind: expected `memory` or `redis`, found `{other}`"));
+                StoreKind::Memory
+            }
+        };
         let max_keys = positive(&mut errors, "store.max_keys", raw.store.max_keys, 1 << 40);
         let sweep_interval =
             millis(&mut errors, "store.sweep_interval_ms", raw.store.sweep_interval_ms, false);
@@ -323,6 +424,7 @@ impl TryFrom<Raw> for ServerConfig {
             listen: listen.expect("checked"),
             admin_listen: admin_listen.expect("checked"),
             policy_file,
+            store,
             max_keys,
             sweep_interval,
             limits,

@@ -34,10 +34,11 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tonic::transport::server::TcpIncoming;
 
-use crate::config::ServerConfig;
+use crate::config::{ServerConfig, StoreKind};
 use crate::owner::Owner;
 use crate::reload::{LoadError, PolicyHolder};
 use crate::store::Store;
+use crate::store::redis::RedisStore;
 
 /// How often leases that reached their end are written off.
 const LEASE_EXPIRY_EVERY: std::time::Duration = std::time::Duration::from_millis(500);
@@ -156,8 +157,19 @@ impl Server {
     ///
     /// As [`Server::new`].
     pub fn with_clock(config: ServerConfig, clock: Arc<dyn Clock>) -> Result<Self, LoadError> {
-        let policies = Arc::new(PolicyHolder::load(&config.policy_file, clock.clone())?);
-        let store = Store::memory(config.max_keys);
+        let store = match &config.store {
+            StoreKind::Memory => Store::memory(config.max_keys),
+            StoreKind::Redis(settings) => Store::redis(
+                RedisStore::new(settings.clone(), clock.clone()).map_err(LoadError::Store)?,
+                clock.clone(),
+            ),
+        };
+        let check: reload::Check = match &store {
+            Store::Memory(_) => Arc::new(|_| Ok(())),
+            Store::Redis(_) => Arc::new(store::redis::check_policy),
+        };
+        let policies =
+            Arc::new(PolicyHolder::load_checked(&config.policy_file, clock.clone(), check)?);
         let owner = Arc::new(Owner::new(policies, store, clock, config.limits));
         Ok(Self { config, owner })
     }
@@ -195,7 +207,12 @@ impl Server {
                     tokio::select! {
                         () = cancel.cancelled() => return,
                         _ = tick.tick() => owner.sweep(),
-                        () = tokio::time::sleep(LEASE_EXPIRY_EVERY) => owner.leases().expire(owner.clock().now()),
+                        () = tokio::time::sleep(LEASE_EXPIRY_EVERY) => {
+                            let now = owner.clock().now();
+                            owner.leases().expire(now);
+                            let policy = owner.policies().current();
+                            owner.store().return_batches(&policy.policy, now, false).await;
+                        }
                     }
                 }
             }
@@ -265,6 +282,9 @@ impl Server {
         };
         cancel.cancel();
         tasks.close();
+        // Batches leased from Redis go back before the process ends.
+        let policy = owner.policies().current();
+        owner.store().return_batches(&policy.policy, owner.clock().now(), true).await;
         if tokio::time::timeout(config.grace, tasks.wait()).await.is_err() {
             tracing::warn!("background tasks abandoned after the grace period");
         }

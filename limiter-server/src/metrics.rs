@@ -44,6 +44,8 @@ pub const LEASE_UNITS: &str = "limiter_lease_units_total";
 /// Store calls that failed, by `kind` (the memory store never fails; networked
 /// stores report here).
 pub const STORE_ERRORS: &str = "limiter_store_errors_total";
+/// Calls to the store (Redis), by operation.
+pub const STORE_CALLS: &str = "limiter_store_calls_total";
 /// 1 while the store's circuit breaker is open.
 pub const STORE_BREAKER_OPEN: &str = "limiter_store_breaker_open";
 /// Routes now deciding by their failure policy (the store is unreachable).
@@ -112,6 +114,7 @@ fn describe() {
     describe_gauge!(READY, "1 while ready to serve.");
     describe_gauge!(LEASES_OUTSTANDING, "Leased units now out with agents.");
     describe_counter!(STORE_ERRORS, "Store calls that failed, by kind.");
+    describe_counter!(STORE_CALLS, "Calls to the Redis store, by operation.");
     describe_gauge!(STORE_BREAKER_OPEN, "1 while the store's circuit breaker is open.");
     describe_gauge!(FALLBACK_ROUTES, "Routes deciding by their failure policy.");
     describe_gauge!(RING_MEMBERS, "Members of the ownership ring.");

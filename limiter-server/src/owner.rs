@@ -7,6 +7,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use limiter_core::clock::{Clock, NANOS_PER_SEC, Nanos};
+use limiter_core::failure::EmergencyCeilings;
 use limiter_core::policy::{Chain, Request};
 use limiter_core::{Decision, Verdict};
 use metrics::Histogram;
@@ -125,6 +126,7 @@ pub struct Owner {
     latency: [Histogram; 3],
     leases: Leases,
     heavy: HeavyHitters,
+    ceilings: EmergencyCeilings,
 }
 
 impl std::fmt::Debug for Owner {
@@ -157,6 +159,7 @@ impl Owner {
                 .map(|a| metrics::histogram!(m::DECISION_SECONDS, "api" => a.as_str())),
             leases: Leases::default(),
             heavy: HeavyHitters::default(),
+            ceilings: EmergencyCeilings::default(),
         }
     }
 
@@ -232,9 +235,25 @@ impl Owner {
         let mut outcomes = Vec::with_capacity(requests.len());
         for (i, (req, chain)) in requests.iter().zip(&chains).enumerate() {
             let now = self.clock.now();
-            let verdict = self.store.decide(chain, now).await.map_err(|e| (i, e))?;
+            let (verdict, fell_back) = match self.store.decide(req, chain, now).await {
+                Ok(v) => (v, false),
+                // The store is away: the route's failure policy decides.
+                Err(ServerError::Unavailable(why)) => {
+                    tracing::debug!(route = req.route, %why, "store unavailable: failure policy");
+                    let cost = if chain.dry_run { 0 } else { chain.cost };
+                    let decision = self.ceilings.decide(
+                        req.route,
+                        chain.route.on_limiter_failure,
+                        cost.max(1),
+                        now,
+                    );
+                    (Verdict { decision, shadow: chain.shadow }, true)
+                }
+                Err(e) => return Err((i, e)),
+            };
+            // A fallback decision charged nothing in the store (nothing to refund).
             let charged = match verdict.decision {
-                Decision::Allowed { .. } if !chain.dry_run => chain.cost,
+                Decision::Allowed { .. } if !chain.dry_run && !fell_back => chain.cost,
                 _ => 0,
             };
             active.counters.record(api, req.route, &verdict);

@@ -74,7 +74,21 @@ pub enum LoadError {
     /// The file has mistakes.
     #[error(transparent)]
     Invalid(#[from] PolicyErrors),
+    /// The policy is valid but the store cannot run it.
+    #[error("{path}: the store cannot run this policy:\n{message}")]
+    Unsupported {
+        /// The file.
+        path: String,
+        /// Every limit at fault.
+        message: String,
+    },
+    /// The store could not be set up.
+    #[error("{0}")]
+    Store(String),
 }
+
+/// A check the store makes of every policy before it takes effect.
+pub type Check = Arc<dyn Fn(&Policy) -> Result<(), String> + Send + Sync>;
 
 /// The outcome of one reload attempt.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -98,6 +112,7 @@ pub struct PolicyHolder {
     current: ArcSwap<ActivePolicy>,
     status: Mutex<ReloadStatus>,
     clock: Arc<dyn Clock>,
+    check: Check,
 }
 
 impl std::fmt::Debug for PolicyHolder {
@@ -131,7 +146,25 @@ impl PolicyHolder {
     ///
     /// As [`read_policy`].
     pub fn load(path: &Path, clock: Arc<dyn Clock>) -> Result<Self, LoadError> {
+        Self::load_checked(path, clock, Arc::new(|_| Ok(())))
+    }
+
+    /// Like [`Self::load`], with a check the store makes of this and every reloaded
+    /// policy (a policy it refuses never takes effect).
+    ///
+    /// # Errors
+    ///
+    /// As [`read_policy`], and the check's refusal.
+    pub fn load_checked(
+        path: &Path,
+        clock: Arc<dyn Clock>,
+        check: Check,
+    ) -> Result<Self, LoadError> {
         let (policy, digest) = read_policy(path)?;
+        check(&policy).map_err(|message| LoadError::Unsupported {
+            path: path.display().to_string(),
+            message,
+        })?;
         let active = ActivePolicy::new(policy, 1, clock.now(), digest);
         publish(&active);
         Ok(Self {
@@ -139,6 +172,7 @@ impl PolicyHolder {
             current: ArcSwap::from_pointee(active),
             status: Mutex::default(),
             clock,
+            check,
         })
     }
 
@@ -170,8 +204,16 @@ impl PolicyHolder {
         if d == old.digest {
             return Reload::Unchanged;
         }
-        match from_yaml(&text, &self.path.display().to_string()) {
-            Err(e) => self.failed(e.to_string()).await,
+        let checked = from_yaml(&text, &self.path.display().to_string())
+            .map_err(|e| e.to_string())
+            .and_then(|p| match (self.check)(&p) {
+                Ok(()) => Ok(p),
+                Err(m) => {
+                    Err(format!("{}: the store cannot run this policy:\n{m}", self.path.display()))
+                }
+            });
+        match checked {
+            Err(e) => self.failed(e).await,
             Ok(policy) => {
                 let changes = describe_changes(&old.policy, &policy);
                 let active = ActivePolicy::new(policy, old.version + 1, self.clock.now(), d);

@@ -1,0 +1,196 @@
+//! Batches leased from the Redis store, so that Redis sees one call per batch rather
+//! than one per request: the agent's lease protocol, with this server as the agent.
+//!
+//! - Pre-paid: a batch is debited from every level of its chain in Redis when it is
+//!   granted, so the units one server holds can never be spent by another; several
+//!   servers sharing one Redis never admit more than the limits allow.
+//! - Sized by demand (about half a hold's worth at the rate the previous batch was
+//!   spent), at most the route's `max_batch`, and at most half of what is left in
+//!   Redis (the script's rule), so one server strands at most half the rest.
+//! - Spent for at most the grant's hold (counted from when this server asked, less a
+//!   margin), then what is left goes back with the next grant, or on the idle sweep,
+//!   or at shutdown. Rejections are never decided from a batch: when a batch cannot
+//!   cover a request, Redis decides it exactly (reason, scope and wait included).
+//! - One renewal in flight per chain: requests of the same chain queue behind it.
+
+use std::collections::HashMap;
+use std::hash::{BuildHasher, BuildHasherDefault, DefaultHasher};
+use std::sync::Arc;
+
+use limiter_core::clock::{NANOS_PER_SEC, Nanos};
+use limiter_core::decision::{Binding, Decision};
+use limiter_core::policy::{Chain, NameBounds, Policy, Request};
+use limiter_core::{Limit, Scope, Verdict};
+use parking_lot::Mutex;
+
+use super::redis::RedisStore;
+use crate::error::ServerError;
+
+/// A chain's identity: the names of its counters and the shape of its limits (a
+/// reload that changes a limit starts new batches).
+type ChainId = (Box<str>, Box<str>, Box<str>, u64);
+
+/// A request that resolves to the chain (to give a batch back after a while).
+type Origin = (Box<str>, Box<str>, Option<Box<str>>);
+
+#[derive(Debug, Default)]
+struct Batch {
+    origin: Option<Origin>,
+    units: u64,
+    granted_at: Nanos,
+    hold: Nanos,
+    /// Spendable until this instant of the server's clock.
+    until: Nanos,
+    installed_at: Nanos,
+    spent: u64,
+    /// Units per second at which the previous batch was spent.
+    demand: u64,
+    left: u64,
+    tight: usize,
+    reset_at: Nanos,
+    used_at: Nanos,
+}
+
+/// The batches this server holds.
+#[derive(Debug, Default)]
+pub(crate) struct Batches {
+    map: Mutex<HashMap<ChainId, Arc<tokio::sync::Mutex<Batch>>>>,
+}
+
+fn chain_id(chain: &Chain<'_>) -> ChainId {
+    let mut shape: Vec<(Scope, Limit)> = Vec::with_capacity(chain.keys().len());
+    shape.extend(chain.levels().map(|l| (l.scope, *l.rule.limit)));
+    let hash = BuildHasherDefault::<DefaultHasher>::default().hash_one(&shape);
+    let request = chain.levels().map(|l| l.key).fold(("", "", ""), |acc, key| {
+        (
+            if key.tenant.is_empty() { acc.0 } else { key.tenant },
+            if key.route.is_empty() { acc.1 } else { key.route },
+            if key.key.is_empty() { acc.2 } else { key.key },
+        )
+    });
+    (request.0.into(), request.1.into(), request.2.into(), hash)
+}
+
+impl Batches {
+    /// Decides a request from its chain's batch, renewing it when it cannot cover the
+    /// request.
+    pub(crate) async fn decide(
+        &self,
+        store: &RedisStore,
+        req: &Request<'_>,
+        chain: &Chain<'_>,
+        now: Nanos,
+        local: impl Fn() -> Nanos,
+    ) -> Result<Verdict, ServerError> {
+        let cell = self.map.lock().entry(chain_id(chain)).or_default().clone();
+        let mut b = cell.lock().await;
+        if b.origin.is_none() {
+            b.origin = Some((req.tenant.into(), req.route.into(), req.key.map(Into::into)));
+        }
+        let cost = chain.cost;
+        let t = local();
+        b.used_at = t;
+        if b.units >= cost && t < b.until {
+            b.units -= cost;
+            b.spent += cost;
+            return Ok(allowed(&b, chain, t));
+        }
+        // Renew: return what is left, ask for about half a hold of demand.
+        let elapsed = t.saturating_sub(b.installed_at).max(1);
+        if b.installed_at > 0 {
+            let rate = u128::from(b.spent) * u128::from(NANOS_PER_SEC) / u128::from(elapsed);
+            b.demand = u64::try_from(rate).unwrap_or(u64::MAX);
+        }
+        let ttl = chain.route.lease.ttl;
+        let by_demand = u128::from(b.demand) * u128::from(ttl) / u128::from(2 * NANOS_PER_SEC);
+        let want = u64::try_from(by_demand)
+            .unwrap_or(u64::MAX)
+            .min(chain.route.lease.max_batch.get())
+            .max(cost);
+        let back = (b.units, b.granted_at, b.hold);
+        b.units = 0;
+        let g = store.grant_raw(chain, now, want, ttl, cost, back).await?;
+        if g.units < cost {
+            drop(b);
+            // Not enough left to hold a batch: Redis decides this one exactly.
+            return store.decide(chain, now).await;
+        }
+        let margin = (g.hold / 10).max(1_000_000).min(g.hold);
+        *b = Batch {
+            origin: b.origin.take(),
+            units: g.units - cost,
+            granted_at: g.granted_at,
+            hold: g.hold,
+            until: t + g.hold - margin,
+            installed_at: t,
+            spent: cost,
+            demand: b.demand,
+            left: g.left,
+            tight: g.tight,
+            reset_at: t + g.reset,
+            used_at: t,
+        };
+        Ok(allowed(&b, chain, t))
+    }
+
+    /// Returns the units of batches past their end, or idle for a hold, or all of
+    /// them (`all`, at shutdown); forgets batches with nothing left.
+    pub(crate) async fn flush(
+        &self,
+        store: &RedisStore,
+        policy: &Policy,
+        now: Nanos,
+        local: Nanos,
+        all: bool,
+    ) {
+        let cells: Vec<(ChainId, Arc<tokio::sync::Mutex<Batch>>)> =
+            self.map.lock().iter().map(|(k, v)| (k.clone(), v.clone())).collect();
+        for (id, cell) in cells {
+            let Ok(mut b) = cell.try_lock() else { continue };
+            let stale = local >= b.until || local.saturating_sub(b.used_at) >= b.hold;
+            if !(all || stale) {
+                continue;
+            }
+            if let (true, Some((tenant, route, key))) = (b.units > 0, &b.origin) {
+                let req =
+                    Request { tenant, route, key: key.as_deref(), cost: Some(1), dry_run: true };
+                let unbounded =
+                    NameBounds { tenant: usize::MAX, route: usize::MAX, key: usize::MAX };
+                // A chain the policy no longer resolves the same way keeps its units
+                // charged until they expire (under-admission, never over).
+                if let Ok(chain) = policy.resolve(&req, &unbounded)
+                    && chain_id(&chain) == id
+                    && store.refund_grant(&chain, now, b.granted_at, b.hold, b.units).await.is_err()
+                {
+                    tracing::debug!("a batch's units could not be returned: Redis is away");
+                }
+                b.units = 0;
+            }
+            b.until = 0;
+            if local.saturating_sub(b.used_at) >= b.hold || all {
+                drop(b);
+                self.map.lock().remove(&id);
+            }
+        }
+    }
+
+    /// Batches held.
+    pub(crate) fn len(&self) -> usize {
+        self.map.lock().len()
+    }
+}
+
+fn allowed(b: &Batch, chain: &Chain<'_>, t: Nanos) -> Verdict {
+    let binding = (b.tight > 0)
+        .then(|| chain.levels().nth(b.tight - 1))
+        .flatten()
+        .map(|l| Binding { scope: l.scope, limit: *l.rule.limit });
+    Verdict {
+        decision: Decision::Allowed {
+            remaining: b.left.saturating_add(b.units),
+            reset_after: b.reset_at.saturating_sub(t),
+            binding,
+        },
+        shadow: chain.shadow,
+    }
+}

@@ -1,0 +1,223 @@
+//! Where counters live: in this process's memory (the default: limiter-core's sharded
+//! table) or in Redis ([`redis`]), shared by several servers. Every call is async so
+//! both sit behind the same calls; only Redis can fail, and its failures come back
+//! as [`ServerError::Unavailable`] for the owner to apply each route's failure policy.
+
+mod batches;
+pub mod redis;
+
+use std::sync::Arc;
+
+use limiter_core::clock::{Clock, Nanos};
+use limiter_core::policy::{Chain, Policy, Request};
+use limiter_core::table::{StateTable, TableStats};
+use limiter_core::{Grant, Limiter, Verdict};
+
+use self::batches::Batches;
+use self::redis::RedisStore;
+use crate::error::ServerError;
+
+/// A store of counters.
+#[derive(Debug)]
+pub enum Store {
+    /// In this process's memory.
+    Memory(Limiter),
+    /// In Redis, with the batches this server leased from it.
+    Redis(Box<RedisBacked>),
+}
+
+/// The Redis store and this server's batches.
+pub struct RedisBacked {
+    store: RedisStore,
+    batches: Batches,
+    clock: Arc<dyn Clock>,
+}
+
+impl std::fmt::Debug for RedisBacked {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RedisBacked").field("store", &self.store).finish_non_exhaustive()
+    }
+}
+
+impl RedisBacked {
+    /// The store.
+    pub fn store(&self) -> &RedisStore {
+        &self.store
+    }
+}
+
+impl Store {
+    /// A memory store holding at most about `max_keys` counters.
+    pub fn memory(max_keys: usize) -> Self {
+        Self::Memory(Limiter::with_table(StateTable::with_capacity(max_keys)))
+    }
+
+    /// A Redis store.
+    pub fn redis(store: RedisStore, clock: Arc<dyn Clock>) -> Self {
+        Self::Redis(Box::new(RedisBacked { store, batches: Batches::default(), clock }))
+    }
+
+    /// Whether `policy` can run on this store.
+    ///
+    /// # Errors
+    ///
+    /// Every limit the store cannot run exactly.
+    pub fn check_policy(&self, policy: &Policy) -> Result<(), String> {
+        match self {
+            Self::Memory(_) => Ok(()),
+            Self::Redis(_) => redis::check_policy(policy),
+        }
+    }
+
+    /// Checks and charges `req`'s chain, all levels or none.
+    ///
+    /// # Errors
+    ///
+    /// When the store cannot be reached (never for memory).
+    pub async fn decide(
+        &self,
+        req: &Request<'_>,
+        chain: &Chain<'_>,
+        now: Nanos,
+    ) -> Result<Verdict, ServerError> {
+        match self {
+            Self::Memory(l) => Ok(l.decide(chain, now)),
+            Self::Redis(r) => {
+                let batched = r.store.settings().batches
+                    && !chain.dry_run
+                    && !chain.route.lease.exact
+                    && !chain.unknown_tenant
+                    && chain.cost > 0
+                    && !chain.keys().is_empty();
+                if batched {
+                    r.batches.decide(&r.store, req, chain, now, || r.clock.now()).await
+                } else {
+                    r.store.decide(chain, now).await
+                }
+            }
+        }
+    }
+
+    /// Charges `units` to every level without checking (usage reported afterwards).
+    ///
+    /// # Errors
+    ///
+    /// When the store cannot be reached.
+    pub async fn charge(
+        &self,
+        chain: &Chain<'_>,
+        now: Nanos,
+        units: u64,
+    ) -> Result<(), ServerError> {
+        match self {
+            Self::Memory(l) => l.charge(chain, now, units),
+            Self::Redis(r) => r.store.charge(chain, now, units).await?,
+        }
+        Ok(())
+    }
+
+    /// Gives back `units` charged at `granted_at` on every level.
+    ///
+    /// # Errors
+    ///
+    /// When the store cannot be reached.
+    pub async fn refund(
+        &self,
+        chain: &Chain<'_>,
+        now: Nanos,
+        granted_at: Nanos,
+        units: u64,
+    ) -> Result<(), ServerError> {
+        self.refund_grant(chain, now, granted_at, 0, units).await
+    }
+
+    /// Grants up to `max` units from every level, spendable for at most `hold`.
+    ///
+    /// # Errors
+    ///
+    /// When the store cannot be reached.
+    pub async fn grant(
+        &self,
+        chain: &Chain<'_>,
+        now: Nanos,
+        max: u64,
+        hold: Nanos,
+    ) -> Result<Grant, ServerError> {
+        match self {
+            Self::Memory(l) => Ok(l.grant(chain, now, max, hold)),
+            Self::Redis(r) => r.store.grant(chain, now, max, hold).await,
+        }
+    }
+
+    /// Gives back `units` of a grant made at `granted_at` for `hold`.
+    ///
+    /// # Errors
+    ///
+    /// When the store cannot be reached.
+    pub async fn refund_grant(
+        &self,
+        chain: &Chain<'_>,
+        now: Nanos,
+        granted_at: Nanos,
+        hold: Nanos,
+        units: u64,
+    ) -> Result<(), ServerError> {
+        match self {
+            Self::Memory(l) => l.refund_grant(chain, now, granted_at, hold, units),
+            Self::Redis(r) => r.store.refund_grant(chain, now, granted_at, hold, units).await?,
+        }
+        Ok(())
+    }
+
+    /// Units left at the tightest level of a chain.
+    ///
+    /// # Errors
+    ///
+    /// When the store cannot be reached.
+    pub async fn remaining(&self, chain: &Chain<'_>, now: Nanos) -> Result<u64, ServerError> {
+        match self {
+            Self::Memory(l) => Ok(l.remaining(chain, now)),
+            Self::Redis(r) => r.store.remaining(chain, now).await,
+        }
+    }
+
+    /// Gives back the units of batches past their end or idle (`all`: every batch,
+    /// at shutdown). Nothing to do for memory.
+    pub async fn return_batches(&self, policy: &Policy, now: Nanos, all: bool) {
+        if let Self::Redis(r) = self {
+            r.batches.flush(&r.store, policy, now, r.clock.now(), all).await;
+        }
+    }
+
+    /// Drops idle counters; returns how many (Redis expires its own).
+    pub fn sweep(&self, now: Nanos) -> usize {
+        match self {
+            Self::Memory(l) => l.table().sweep_idle(now),
+            Self::Redis(_) => 0,
+        }
+    }
+
+    /// Counter statistics (for Redis: the batches this server holds).
+    pub fn stats(&self) -> TableStats {
+        match self {
+            Self::Memory(l) => l.table().stats(),
+            Self::Redis(r) => TableStats { keys: r.batches.len() as u64, ..TableStats::default() },
+        }
+    }
+
+    /// The most counters held (0: not bounded here).
+    pub fn max_keys(&self) -> usize {
+        match self {
+            Self::Memory(l) => l.table().max_keys(),
+            Self::Redis(_) => 0,
+        }
+    }
+
+    /// The store's name in logs and labels.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Self::Memory(_) => "memory",
+            Self::Redis(_) => "redis",
+        }
+    }
+}

@@ -1,0 +1,153 @@
+-- chain.lua: the entry point. Checks and charges the whole chain of one request's
+-- limits (outermost level first) all-or-nothing in one atomic call. The script Redis
+-- runs is lib.lua, the four algorithm files and this one, joined in that order.
+--
+-- KEYS: each level's keys in order (one for most algorithms, two for a sliding log).
+--   Every key of one call shares one hash tag, so the call works on Redis Cluster.
+-- ARGV[1]: op, one of
+--   decide        ARGV[3] cost, ARGV[4] dry run (1) or not (0)
+--   charge        ARGV[3] units (usage reported after the fact: charged even past
+--                 the limit, as a debt)
+--   refund        ARGV[3] units, ARGV[4] granted at (us), ARGV[5] hold (us): gives
+--                 back units of a decision or grant made then
+--   grant         ARGV[3] most units, ARGV[4] hold asked for (us), ARGV[5] need: with
+--                 need 0, the most every level can give (up to the most asked); with
+--                 need > 0, nothing unless every level has `need`, and then at most
+--                 half of what is left (at least `need`), so a batch held by one
+--                 node strands at most half of the rest; ARGV[6..8] a previous
+--                 grant's unspent units, grant time and hold, returned first
+--   remaining     nothing
+-- ARGV[2]: now in microseconds, or -1 for Redis TIME (the default; tests pass fixed
+--   times to replay golden cases).
+-- ARGV[9..]: four per level: kind (tb, fw, sl, sc) and three parameters (see the
+--   algorithm's file).
+-- Returns an array of integers (times in microseconds):
+--   decide     {1, tightest level (1-based, 0: none), remaining, reset after, now}
+--              {0, failing level (outermost), retry after (longest), 0, now}
+--   grant      {units, granted at, hold, binding level (0: none), then after the
+--              grant: units left at the tightest level, that level, its reset after}
+--   remaining  {units left at the tightest level}
+--   others     {0}
+-- Time: redis.call('TIME') (Redis 7 replicates a script's effects, not the script, so
+--   reading the clock is allowed), one reading for the whole call.
+
+local algorithms = {
+  tb = token_bucket, fw = fixed_window, sl = sliding_log, sc = sliding_counter,
+}
+
+local now = tonumber(ARGV[2])
+if now < 0 then
+  local t = redis.call('TIME')
+  now = tonumber(t[1]) * 1000000 + tonumber(t[2])
+end
+
+local levels = {}
+local k = 1
+local i = 9
+while ARGV[i] do
+  local algo = algorithms[ARGV[i]]
+  if not algo then return redis.error_reply('unknown algorithm ' .. ARGV[i]) end
+  local lv = {
+    algo = algo, key = KEYS[k], log = KEYS[k + 1],
+    p1 = tonumber(ARGV[i + 1]), p2 = tonumber(ARGV[i + 2]), p3 = tonumber(ARGV[i + 3]),
+  }
+  k = k + algo.keys
+  algo.load(lv, now)
+  levels[#levels + 1] = lv
+  i = i + 4
+end
+
+local function save_all()
+  for _, lv in ipairs(levels) do
+    if lv.dirty then lv.algo.save(lv, now) end
+  end
+end
+
+local function min_remaining()
+  local least, at = -1, 0
+  for n, lv in ipairs(levels) do
+    local r = lv.algo.remaining(lv, now)
+    if least < 0 or r < least then least, at = r, n end
+  end
+  return least, at
+end
+
+local function refund_all(units, granted_at, hold)
+  if units <= 0 then return end
+  for _, lv in ipairs(levels) do
+    lv.algo.refund(lv, now, lv.algo.stamp(lv, granted_at, hold), units)
+  end
+end
+
+local op = ARGV[1]
+local a1, a2, a3 = tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5])
+
+if op == 'decide' then
+  local cost, dry = a1, a2 == 1
+  local tight, tight_left, failed, wait = 0, -1, 0, 0
+  for n, lv in ipairs(levels) do
+    local r = lv.algo.remaining(lv, now)
+    if cost <= r then
+      local left = r - cost
+      if dry then left = r end
+      if tight == 0 or left < tight_left then tight, tight_left = n, left end
+    else
+      local w = lv.algo.retry_after(lv, now, math.min(cost, lv.algo.capacity(lv)))
+      if failed == 0 then failed = n end
+      wait = math.max(wait, w)
+    end
+  end
+  if failed > 0 then
+    save_all()
+    return { 0, failed, wait, 0, now }
+  end
+  if not dry and cost > 0 then
+    for _, lv in ipairs(levels) do lv.algo.charge(lv, now, now, cost) end
+  end
+  local reset = 0
+  if tight > 0 then reset = levels[tight].algo.reset_after(levels[tight], now) end
+  save_all()
+  return { 1, tight, tight_left, reset, now }
+elseif op == 'charge' then
+  if a1 > 0 then
+    for _, lv in ipairs(levels) do lv.algo.charge(lv, now, now, a1) end
+  end
+  save_all()
+  return { 0 }
+elseif op == 'refund' then
+  refund_all(a1, a2, a3)
+  save_all()
+  return { 0 }
+elseif op == 'grant' then
+  refund_all(tonumber(ARGV[6]), tonumber(ARGV[7]), tonumber(ARGV[8]))
+  local hold = a2
+  for _, lv in ipairs(levels) do hold = lv.algo.hold(lv, now, hold) end
+  local units, binding = a1, 0
+  for n, lv in ipairs(levels) do
+    local r = lv.algo.remaining(lv, now)
+    if r < units then units, binding = r, n end
+  end
+  if a3 > 0 then
+    local left = min_remaining()
+    if left < a3 then
+      units = 0
+    else
+      units = math.max(a3, math.min(units, idiv(left, 2)))
+    end
+  end
+  if units > 0 then
+    for _, lv in ipairs(levels) do
+      lv.algo.charge(lv, now, lv.algo.stamp(lv, now, hold), units)
+    end
+  end
+  local left, tight = min_remaining()
+  local reset = 0
+  if tight > 0 then reset = levels[tight].algo.reset_after(levels[tight], now) end
+  save_all()
+  return { units, now, hold, binding, left, tight, reset }
+elseif op == 'remaining' then
+  local left = min_remaining()
+  save_all()
+  return { left }
+end
+return redis.error_reply('unknown op ' .. tostring(op))

@@ -1,0 +1,64 @@
+-- fixed_window.lua: at most `limit` units per aligned window, like limiter-core's
+-- FixedWindow (windows are aligned on the Unix epoch in microseconds).
+--
+-- KEYS (one per level): a hash {i, c}: window index i (now // window) and its count.
+--   Absent, or another window's: nothing counted.
+-- Level parameters (ARGV, after the kind `fw`): limit, window (microseconds), unused.
+-- Returns: nothing itself; chain.lua calls these functions.
+-- Time: `now` in microseconds, from chain.lua (Redis TIME).
+
+local fixed_window = { keys = 1 }
+
+function fixed_window.load(lv, now)
+  local s = redis.call('HMGET', lv.key, 'i', 'c')
+  lv.index = idiv(now, lv.p2)
+  lv.count = 0
+  if s[1] and tonumber(s[1]) == lv.index then lv.count = tonumber(s[2]) end
+end
+
+function fixed_window.capacity(lv) return lv.p1 end
+
+function fixed_window.remaining(lv, now)
+  return math.max(0, lv.p1 - lv.count)
+end
+
+local function until_next_window(lv, now)
+  return lv.p2 - now % lv.p2
+end
+
+function fixed_window.retry_after(lv, now, cost)
+  if lv.count + cost <= lv.p1 then return 0 end
+  return until_next_window(lv, now)
+end
+
+function fixed_window.reset_after(lv, now)
+  if lv.count == 0 then return 0 end
+  return until_next_window(lv, now)
+end
+
+function fixed_window.charge(lv, now, stamp, cost)
+  lv.count = math.min(lv.count + cost, TWO52)
+  lv.dirty = true
+end
+
+function fixed_window.refund(lv, now, stamp, units)
+  if idiv(stamp, lv.p2) == lv.index then
+    lv.count = math.max(0, lv.count - units)
+    lv.dirty = true
+  end
+end
+
+function fixed_window.hold(lv, now, hold)
+  return math.min(hold, until_next_window(lv, now))
+end
+
+function fixed_window.stamp(lv, now, hold) return now end
+
+function fixed_window.save(lv, now)
+  if lv.count <= 0 then
+    redis.call('DEL', lv.key)
+    return
+  end
+  redis.call('HSET', lv.key, 'i', int(lv.index), 'c', int(lv.count))
+  expire_in(lv.key, until_next_window(lv, now), now)
+end

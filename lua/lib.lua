@@ -1,0 +1,95 @@
+-- lib.lua: exact integer helpers shared by the algorithm scripts.
+--
+-- Redis runs Lua 5.1, whose numbers are doubles: integers are exact below 2^53.
+-- Every quantity the scripts keep stays below 2^52 (the server refuses limits whose
+-- parameters could leave that range), and these helpers never round: a quotient
+-- from floating division is corrected by one step when it lands on the wrong side.
+--
+-- KEYS, ARGV, return shape and time source: see chain.lua, the entry point these
+-- files are composed in front of (lib, the four algorithms, then chain).
+
+local TWO52 = 4503599627370496
+
+-- floor(x / y) for integers x >= 0, y > 0.
+local function idiv(x, y)
+  local q = math.floor(x / y)
+  if q * y > x then
+    q = q - 1
+  elseif (q + 1) * y <= x then
+    q = q + 1
+  end
+  return q
+end
+
+-- ceil(x / y) for integers x >= 0, y > 0.
+local function cdiv(x, y)
+  local q = idiv(x, y)
+  if q * y < x then q = q + 1 end
+  return q
+end
+
+-- floor(a * b / c) exactly, even when a * b is past 2^53 (c below 2^52).
+local function muldiv(a, b, c)
+  if a == 0 or b == 0 then return 0 end
+  if a * b < TWO52 then return idiv(a * b, c) end
+  local qa = idiv(a, c)
+  local ra = a - qa * c
+  local bits, x = {}, b
+  while x > 0 do
+    local h = idiv(x, 2)
+    bits[#bits + 1] = x - 2 * h
+    x = h
+  end
+  local q, r = 0, 0
+  for i = #bits, 1, -1 do
+    q, r = q * 2, r * 2
+    if r >= c then q, r = q + 1, r - c end
+    if bits[i] == 1 then
+      q, r = q + qa, r + ra
+      if r >= c then q, r = q + 1, r - c end
+    end
+  end
+  return q
+end
+
+-- ceil(a * b / c) exactly.
+local function cmuldiv(a, b, c)
+  local q = muldiv(a, b, c)
+  if a * b < TWO52 then
+    if q * c < a * b then q = q + 1 end
+    return q
+  end
+  -- Large product: the remainder is a*b mod c, computed like muldiv's r.
+  local ra = a - idiv(a, c) * c
+  local bits, x = {}, b
+  while x > 0 do
+    local h = idiv(x, 2)
+    bits[#bits + 1] = x - 2 * h
+    x = h
+  end
+  local r = 0
+  for i = #bits, 1, -1 do
+    r = r * 2
+    if r >= c then r = r - c end
+    if bits[i] == 1 then
+      r = r + ra
+      if r >= c then r = r - c end
+    end
+  end
+  if r > 0 then q = q + 1 end
+  return q
+end
+
+-- An integer as Redis wants it in a key, a member or a score ("%.0f": tostring
+-- would write 1.7e+15).
+local function int(x)
+  return string.format('%.0f', x)
+end
+
+-- Sets a key's TTL to `ttl_us` (at least 1 ms), stretched by up to a tenth so that
+-- keys written together do not all expire in the same instant.
+local function expire_in(key, ttl_us, now)
+  local ms = cdiv(math.max(ttl_us, 1), 1000)
+  local spread = math.max(1, idiv(ms, 10))
+  redis.call('PEXPIRE', key, ms + (now % 997) % spread + 1)
+end

@@ -12,6 +12,8 @@ use limiter_proto::limiter::v1::rate_limiter_client::RateLimiterClient;
 use limiter_server::config::ServerConfig;
 use limiter_server::{Running, Server};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+pub mod redis;
 use tonic::transport::Channel;
 
 pub struct TestServer {

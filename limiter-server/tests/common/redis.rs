@@ -1,0 +1,183 @@
+//! Real `redis-server` processes for tests: a single server or a three-master Cluster,
+//! each on free loopback ports in a directory of its own, stopped when dropped. Tests
+//! never touch a Redis they did not start.
+
+#![allow(dead_code)] // each test binary uses a different part
+
+use std::io::{Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+/// A free loopback port (bound and released; the OS does not hand it out again soon).
+pub fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+}
+
+/// Sends one inline command and returns the reply's first line (`None`: no answer).
+pub fn command(port: u16, cmd: &str) -> Option<String> {
+    let mut s = TcpStream::connect(("127.0.0.1", port)).ok()?;
+    s.set_read_timeout(Some(Duration::from_millis(500))).ok()?;
+    s.write_all(format!("{cmd}\r\n").as_bytes()).ok()?;
+    let mut buf = [0u8; 4096];
+    let n = s.read(&mut buf).ok()?;
+    Some(String::from_utf8_lossy(&buf[..n]).into_owned())
+}
+
+/// One `redis-server`.
+pub struct RedisServer {
+    pub port: u16,
+    child: Option<Child>,
+    dir: tempfile::TempDir,
+    extra: Vec<String>,
+}
+
+impl RedisServer {
+    /// Starts a server (snapshots only when asked with `SAVE`, kept in its directory).
+    pub fn start() -> Self {
+        Self::start_with(&[])
+    }
+
+    /// Starts a server with extra `--option value` arguments.
+    pub fn start_with(extra: &[&str]) -> Self {
+        let dir = tempfile::tempdir().unwrap();
+        let mut s = Self {
+            port: free_port(),
+            child: None,
+            dir,
+            extra: extra.iter().map(|e| (*e).to_owned()).collect(),
+        };
+        s.restart();
+        s
+    }
+
+    /// The server's URL.
+    pub fn url(&self) -> String {
+        format!("redis://127.0.0.1:{}", self.port)
+    }
+
+    /// Its directory (snapshot, cluster state).
+    pub fn dir(&self) -> &Path {
+        self.dir.path()
+    }
+
+    /// Starts (again) on the same port and directory: data saved before is loaded.
+    pub fn restart(&mut self) {
+        let mut cmd = Command::new("redis-server");
+        cmd.arg("--port")
+            .arg(self.port.to_string())
+            .arg("--bind")
+            .arg("127.0.0.1")
+            .arg("--dir")
+            .arg(self.dir.path())
+            .arg("--save")
+            .arg("")
+            .arg("--appendonly")
+            .arg("no")
+            .args(&self.extra)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null());
+        self.child = Some(cmd.spawn().expect("redis-server is installed (.ci/run installs it)"));
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while Instant::now() < deadline {
+            if command(self.port, "PING").is_some_and(|r| r.starts_with("+PONG")) {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        panic!("redis-server on port {} did not start", self.port);
+    }
+
+    /// Saves a snapshot and stops (the data survives a restart).
+    pub fn stop_saving(&mut self) {
+        let _ = command(self.port, "SHUTDOWN SAVE");
+        if let Some(mut c) = self.child.take() {
+            let _ = c.wait();
+        }
+    }
+
+    /// Pauses the process (SIGSTOP): connections stay open, nothing answers.
+    pub fn pause(&self) {
+        self.signal("-STOP");
+    }
+
+    /// Resumes a paused process.
+    pub fn resume(&self) {
+        self.signal("-CONT");
+    }
+
+    fn signal(&self, sig: &str) {
+        if let Some(c) = &self.child {
+            let _ = Command::new("kill").arg(sig).arg(c.id().to_string()).status();
+        }
+    }
+
+    /// Kills the process at once.
+    pub fn kill(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            self.resume();
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+impl Drop for RedisServer {
+    fn drop(&mut self) {
+        if let Some(c) = &self.child {
+            let _ = Command::new("kill").arg("-CONT").arg(c.id().to_string()).status();
+        }
+        self.kill();
+    }
+}
+
+/// A three-master Redis Cluster (no replicas).
+pub struct RedisCluster {
+    pub nodes: Vec<RedisServer>,
+}
+
+impl RedisCluster {
+    /// Starts three nodes and creates the cluster; waits until every slot is served.
+    pub fn start() -> Self {
+        let nodes: Vec<RedisServer> = (0..3)
+            .map(|_| {
+                RedisServer::start_with(&[
+                    "--cluster-enabled",
+                    "yes",
+                    "--cluster-config-file",
+                    "nodes.conf",
+                    "--cluster-node-timeout",
+                    "2000",
+                ])
+            })
+            .collect();
+        let mut create = Command::new("redis-cli");
+        create.arg("--cluster").arg("create");
+        for n in &nodes {
+            create.arg(format!("127.0.0.1:{}", n.port));
+        }
+        let out = create
+            .args(["--cluster-replicas", "0", "--cluster-yes"])
+            .stdin(Stdio::null())
+            .output()
+            .expect("redis-cli is installed");
+        assert!(out.status.success(), "cluster create: {}", String::from_utf8_lossy(&out.stdout));
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while Instant::now() < deadline {
+            let ok = nodes.iter().all(|n| {
+                command(n.port, "CLUSTER INFO").is_some_and(|r| r.contains("cluster_state:ok"))
+            });
+            if ok {
+                return Self { nodes };
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        panic!("the cluster did not reach cluster_state:ok");
+    }
+
+    /// The seed URLs, comma-separated (`store.redis.cluster_nodes`).
+    pub fn urls(&self) -> String {
+        self.nodes.iter().map(RedisServer::url).collect::<Vec<_>>().join(",")
+    }
+}

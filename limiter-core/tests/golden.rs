@@ -42,7 +42,13 @@ fn the_core_passes_every_golden_case() {
                     Got::Done
                 }
                 Op::Refund { granted_at, hold, units } => {
-                    limiter.refund_grant(&chain, now, (BASE + granted_at) * 1_000, hold * 1_000, units);
+                    limiter.refund_grant(
+                        &chain,
+                        now,
+                        (BASE + granted_at) * 1_000,
+                        hold * 1_000,
+                        units,
+                    );
                     Got::Done
                 }
                 Op::Grant { max, hold } => {

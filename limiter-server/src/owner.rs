@@ -19,7 +19,7 @@ use crate::heavy::HeavyHitters;
 use crate::lease::Leases;
 use crate::metrics::{self as m, Api};
 use crate::reload::PolicyHolder;
-use crate::store::Store;
+use crate::store::{Charged, Store};
 
 /// How long a check-now-charge-later ticket may be settled with a refund.
 pub const TICKET_TTL: Nanos = 3_600 * NANOS_PER_SEC;
@@ -37,6 +37,8 @@ pub struct Outcome {
     pub policy_version: u64,
     /// When it was decided (clock nanoseconds).
     pub decided_at: Nanos,
+    /// When and for how long the store charged it (what a refund names).
+    pub charged_at: Charged,
     /// A ticket to report the actual cost with, when asked for.
     pub ticket: Option<String>,
 }
@@ -54,7 +56,9 @@ pub struct Settlement {
 
 /// Tickets of requests admitted on an estimate, until their actual cost is reported.
 ///
-/// A ticket is `v1.<admitted_at>.<estimate>.<mac>` (hex); the MAC (SipHash under a key
+/// A ticket is `v1.<charged_at>.<hold>.<estimate>.<mac>` (hex): when and for how long
+/// the store charged the estimate (a batch's grant, for units taken from one), which
+/// is what a refund must name; the MAC (SipHash under a key
 /// drawn at start) binds it to the tenant, route and key it was issued for. Open
 /// tickets are remembered (bounded) so that a refund is paid once; a report for a
 /// ticket no longer open (settled, expired or evicted) still charges any excess,
@@ -68,17 +72,20 @@ struct Tickets {
 
 struct Ticket {
     admitted_at: Nanos,
+    hold: Nanos,
     estimate: u64,
     mac: u64,
 }
 
 impl Tickets {
-    fn mac(&self, req: &Request<'_>, admitted_at: Nanos, estimate: u64) -> u64 {
-        self.key.hash_one((req.tenant, req.route, req.key.unwrap_or(""), admitted_at, estimate))
+    fn mac(&self, req: &Request<'_>, at: Charged, estimate: u64) -> u64 {
+        let names = (req.tenant, req.route, req.key.unwrap_or(""));
+        self.key.hash_one((names, at.at, at.hold, estimate))
     }
 
-    fn issue(&self, req: &Request<'_>, admitted_at: Nanos, estimate: u64) -> String {
-        let mac = self.mac(req, admitted_at, estimate);
+    fn issue(&self, req: &Request<'_>, at: Charged, estimate: u64) -> String {
+        let mac = self.mac(req, at, estimate);
+        let admitted_at = at.at;
         let mut open = self.open.lock();
         if open.len() >= self.max {
             open.retain(|_, at| admitted_at.saturating_sub(*at) < TICKET_TTL);
@@ -90,7 +97,7 @@ impl Tickets {
             }
         }
         open.insert(mac, admitted_at);
-        format!("v1.{admitted_at:x}.{estimate:x}.{mac:x}")
+        format!("v1.{admitted_at:x}.{:x}.{estimate:x}.{mac:x}", at.hold)
     }
 
     fn parse(&self, req: &Request<'_>, text: &str) -> Result<Ticket, ServerError> {
@@ -101,11 +108,11 @@ impl Tickets {
             return Err(bad());
         }
         let mut hex = || parts.next().and_then(|p| u64::from_str_radix(p, 16).ok()).ok_or_else(bad);
-        let (admitted_at, estimate, mac) = (hex()?, hex()?, hex()?);
-        if self.mac(req, admitted_at, estimate) != mac {
+        let (admitted_at, hold, estimate, mac) = (hex()?, hex()?, hex()?, hex()?);
+        if self.mac(req, Charged { at: admitted_at, hold }, estimate) != mac {
             return Err(bad());
         }
-        Ok(Ticket { admitted_at, estimate, mac })
+        Ok(Ticket { admitted_at, hold, estimate, mac })
     }
 
     /// Closes an open ticket; false when it was not open.
@@ -235,8 +242,8 @@ impl Owner {
         let mut outcomes = Vec::with_capacity(requests.len());
         for (i, (req, chain)) in requests.iter().zip(&chains).enumerate() {
             let now = self.clock.now();
-            let (verdict, fell_back) = match self.store.decide(req, chain, now).await {
-                Ok(v) => (v, false),
+            let (verdict, fell_back, charged_at) = match self.store.decide(req, chain, now).await {
+                Ok((v, at)) => (v, false, at),
                 // The store is away: the route's failure policy decides.
                 Err(ServerError::Unavailable(why)) => {
                     tracing::debug!(route = req.route, %why, "store unavailable: failure policy");
@@ -247,7 +254,7 @@ impl Owner {
                         cost.max(1),
                         now,
                     );
-                    (Verdict { decision, shadow: chain.shadow }, true)
+                    (Verdict { decision, shadow: chain.shadow }, true, Charged { at: now, hold: 0 })
                 }
                 Err(e) => return Err((i, e)),
             };
@@ -275,13 +282,14 @@ impl Owner {
                 .and_then(|s| chain.levels().find(|l| l.scope == s))
                 .map(|l| l.rule.name.clone());
             let ticket =
-                (report_later && charged > 0).then(|| self.tickets.issue(req, now, charged));
+                (report_later && charged > 0).then(|| self.tickets.issue(req, charged_at, charged));
             outcomes.push(Outcome {
                 verdict,
                 charged,
                 limit_name,
                 policy_version: active.version,
                 decided_at: now,
+                charged_at,
                 ticket,
             });
         }
@@ -291,7 +299,7 @@ impl Owner {
                 if o.charged > 0 {
                     let now = self.clock.now();
                     self.store
-                        .refund(chain, now, o.decided_at, o.charged)
+                        .refund_grant(chain, now, o.charged_at.at, o.charged_at.hold, o.charged)
                         .await
                         .map_err(|e| (0, e))?;
                     o.charged = 0;
@@ -328,7 +336,7 @@ impl Owner {
             (extra, 0)
         } else if open {
             let back = t.estimate - actual;
-            self.store.refund(&chain, now, t.admitted_at, back).await?;
+            self.store.refund_grant(&chain, now, t.admitted_at, t.hold, back).await?;
             (0, back)
         } else {
             return Err(ServerError::invalid(

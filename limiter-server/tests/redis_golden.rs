@@ -2,18 +2,18 @@
 //! (`limiter-core/tests/golden/cases.rs`), on a real `redis-server` started here, with
 //! the table's fixed times passed to the scripts in place of Redis's clock.
 
-mod common;
 #[path = "../../limiter-core/tests/golden/cases.rs"]
 mod cases;
+mod common;
 
 use std::sync::Arc;
 use std::time::Duration;
 
 use cases::{BASE, CASES, Got, Op, check};
 use common::redis::RedisServer;
+use limiter_core::Decision;
 use limiter_core::clock::MonotonicClock;
 use limiter_core::policy::{NameBounds, Request, from_yaml};
-use limiter_core::Decision;
 use limiter_server::store::Store;
 use limiter_server::store::redis::{RedisClock, RedisSettings, RedisStore};
 
@@ -47,20 +47,24 @@ async fn every_script_passes_every_golden_case() {
         for (n, step) in case.steps.iter().enumerate() {
             let now = (BASE + step.at) * 1_000;
             let (key, cost, dry_run) = match step.op {
-                Op::Decide { key, cost, dry_run } => ((!key.is_empty()).then_some(key), cost, dry_run),
+                Op::Decide { key, cost, dry_run } => {
+                    ((!key.is_empty()).then_some(key), cost, dry_run)
+                }
                 _ => (None, 1, true),
             };
             let req = Request { tenant: "t", route: "/r", key, cost: Some(cost), dry_run };
             let chain = policy.resolve(&req, &NameBounds::default()).unwrap();
             let got = match step.op {
-                Op::Decide { .. } => match store.decide(&req, &chain, now).await.unwrap().decision {
-                    Decision::Allowed { remaining, reset_after, .. } => {
-                        Got::Allowed { remaining, reset_after }
+                Op::Decide { .. } => {
+                    match store.decide(&req, &chain, now).await.unwrap().0.decision {
+                        Decision::Allowed { remaining, reset_after, .. } => {
+                            Got::Allowed { remaining, reset_after }
+                        }
+                        Decision::Rejected { scope, retry_after, .. } => {
+                            Got::Rejected { scope, retry_after }
+                        }
                     }
-                    Decision::Rejected { scope, retry_after, .. } => {
-                        Got::Rejected { scope, retry_after }
-                    }
-                },
+                }
                 Op::Charge { units } => {
                     store.charge(&chain, now, units).await.unwrap();
                     Got::Done
@@ -88,15 +92,13 @@ async fn every_script_passes_every_golden_case() {
 async fn idle_keys_expire_and_no_key_lives_forever() {
     let redis = RedisServer::start();
     let clock = Arc::new(MonotonicClock::new());
-    let store = Store::redis(
-        RedisStore::new(settings(redis.url(), "ttl"), clock.clone()).unwrap(),
-        clock,
-    );
+    let store =
+        Store::redis(RedisStore::new(settings(redis.url(), "ttl"), clock.clone()).unwrap(), clock);
     let policy = from_yaml(CASES[7].policy, "golden.yaml").unwrap();
     let req = Request { tenant: "t", route: "/r", key: Some("k"), cost: Some(1), dry_run: false };
     let chain = policy.resolve(&req, &NameBounds::default()).unwrap();
     let now = BASE * 1_000;
-    assert!(store.decide(&req, &chain, now).await.unwrap().admitted());
+    assert!(store.decide(&req, &chain, now).await.unwrap().0.admitted());
     // Every key written has a TTL within its limit's horizon (1 s windows, a
     // 100/s bucket of 100: at most two windows plus a tenth).
     let keys = common::redis::command(redis.port, "KEYS *").unwrap();

@@ -2,7 +2,7 @@
 
 mod common;
 
-use common::TestServer;
+use common::{Backend, TestServer};
 use limiter_proto::limiter::v1 as pb;
 use tonic::Code;
 
@@ -35,47 +35,67 @@ fn report(ticket: &str, actual: u64) -> pb::ReportCostRequest {
     }
 }
 
-#[tokio::test]
-async fn refunds_an_overestimate_and_charges_an_underestimate() {
-    let s = TestServer::start(POLICY).await;
-    let mut c = s.native().await;
-    let a = c.should_allow(estimate(100)).await.unwrap().into_inner();
-    assert!(a.allowed && !a.ticket.is_empty());
-    assert_eq!(a.remaining, 400);
-    // Actual 30: 70 back on every level.
-    let r = c.report_cost(report(&a.ticket, 30)).await.unwrap().into_inner();
-    assert_eq!((r.charged, r.refunded, r.remaining), (0, 70, 470));
-    // The same ticket cannot be refunded twice.
-    let e = c.report_cost(report(&a.ticket, 0)).await.unwrap_err();
-    assert_eq!(e.code(), Code::InvalidArgument);
-    assert!(e.message().starts_with("ticket"), "{}", e.message());
+/// The tests, for one store.
+macro_rules! store_tests {
+    () => {
+        #[tokio::test]
+        async fn refunds_an_overestimate_and_charges_an_underestimate() {
+            let s = TestServer::start_on(BACKEND, POLICY).await;
+            let mut c = s.native().await;
+            let a = c.should_allow(estimate(100)).await.unwrap().into_inner();
+            assert!(a.allowed && !a.ticket.is_empty());
+            assert_eq!(a.remaining, 400);
+            // Actual 30: 70 back on every level.
+            let r = c.report_cost(report(&a.ticket, 30)).await.unwrap().into_inner();
+            assert_eq!((r.charged, r.refunded, r.remaining), (0, 70, 470));
+            // The same ticket cannot be refunded twice.
+            let e = c.report_cost(report(&a.ticket, 0)).await.unwrap_err();
+            assert_eq!(e.code(), Code::InvalidArgument);
+            assert!(e.message().starts_with("ticket"), "{}", e.message());
 
-    // Underestimate: 400 admitted, 900 used: 500 more, past the route's 500: a debt.
-    let b = c.should_allow(estimate(400)).await.unwrap().into_inner();
-    assert!(b.allowed);
-    let r = c.report_cost(report(&b.ticket, 900)).await.unwrap().into_inner();
-    assert_eq!((r.charged, r.refunded, r.remaining), (500, 0, 0));
-    let next = c.should_allow(estimate(1)).await.unwrap().into_inner();
-    assert!(!next.allowed, "the debt is recorded, not lost");
-    // The tenant level has room (30 + 900 of 1000); the route level is in debt.
-    assert_eq!(next.reason(), pb::Reason::TenantRouteLimit);
-    s.stop().await;
+            // Underestimate: 400 admitted, 900 used: 500 more, past the route's 500: a debt.
+            let b = c.should_allow(estimate(400)).await.unwrap().into_inner();
+            assert!(b.allowed);
+            let r = c.report_cost(report(&b.ticket, 900)).await.unwrap().into_inner();
+            assert_eq!((r.charged, r.refunded, r.remaining), (500, 0, 0));
+            let next = c.should_allow(estimate(1)).await.unwrap().into_inner();
+            assert!(!next.allowed, "the debt is recorded, not lost");
+            // The tenant level has room (30 + 900 of 1000); the route level is in debt.
+            assert_eq!(next.reason(), pb::Reason::TenantRouteLimit);
+            s.stop().await;
+        }
+
+        #[tokio::test]
+        async fn forged_tickets_are_refused() {
+            let s = TestServer::start_on(BACKEND, POLICY).await;
+            let mut c = s.native().await;
+            let a = c.should_allow(estimate(10)).await.unwrap().into_inner();
+            // The same ticket for another tenant, or altered, does not match.
+            let mut other = report(&a.ticket, 1);
+            other.route = "/other".into();
+            assert_eq!(c.report_cost(other).await.unwrap_err().code(), Code::InvalidArgument);
+            let forged = a.ticket.replacen(".a.", ".1f4.", 1);
+            assert_eq!(
+                c.report_cost(report(&forged, 1)).await.unwrap_err().code(),
+                Code::InvalidArgument
+            );
+            assert_eq!(
+                c.report_cost(report("garbage", 1)).await.unwrap_err().code(),
+                Code::InvalidArgument
+            );
+            s.stop().await;
+        }
+    };
 }
 
-#[tokio::test]
-async fn forged_tickets_are_refused() {
-    let s = TestServer::start(POLICY).await;
-    let mut c = s.native().await;
-    let a = c.should_allow(estimate(10)).await.unwrap().into_inner();
-    // The same ticket for another tenant, or altered, does not match.
-    let mut other = report(&a.ticket, 1);
-    other.route = "/other".into();
-    assert_eq!(c.report_cost(other).await.unwrap_err().code(), Code::InvalidArgument);
-    let forged = a.ticket.replacen(".a.", ".1f4.", 1);
-    assert_eq!(c.report_cost(report(&forged, 1)).await.unwrap_err().code(), Code::InvalidArgument);
-    assert_eq!(
-        c.report_cost(report("garbage", 1)).await.unwrap_err().code(),
-        Code::InvalidArgument
-    );
-    s.stop().await;
+mod memory {
+    use super::*;
+    const BACKEND: Backend = Backend::Memory;
+    store_tests!();
+}
+
+mod redis {
+    use super::*;
+    const BACKEND: Backend = Backend::Redis;
+    store_tests!();
 }

@@ -88,14 +88,26 @@ pub const CASES: &[Case] = &[
             decide(0, 1, rejected(Scope::Tenant, 333_334)),
             decide(333_333, 1, rejected(Scope::Tenant, 1)),
             decide(333_334, 1, allowed(0, S)),
-            Step { at: 333_334, op: Op::Refund { granted_at: 0, hold: 0, units: 1 }, expect: Expect::Done },
+            Step {
+                at: 333_334,
+                op: Op::Refund { granted_at: 0, hold: 0, units: 1 },
+                expect: Expect::Done,
+            },
             Step { at: 333_334, op: Op::Remaining, expect: Expect::Remaining(1) },
             // Usage reported past the limit is a debt to wait out.
             Step { at: 333_334, op: Op::Charge { units: 10 }, expect: Expect::Done },
             decide(333_334, 1, rejected(Scope::Tenant, 3_333_333)),
             Step { at: 10 * S, op: Op::Remaining, expect: Expect::Remaining(3) },
-            Step { at: 10 * S, op: Op::Grant { max: 5, hold: 2 * S }, expect: Expect::Granted { units: 3, hold: 2 * S } },
-            Step { at: 10 * S + 100 * MS, op: Op::Refund { granted_at: 10 * S, hold: 2 * S, units: 2 }, expect: Expect::Done },
+            Step {
+                at: 10 * S,
+                op: Op::Grant { max: 5, hold: 2 * S },
+                expect: Expect::Granted { units: 3, hold: 2 * S },
+            },
+            Step {
+                at: 10 * S + 100 * MS,
+                op: Op::Refund { granted_at: 10 * S, hold: 2 * S, units: 2 },
+                expect: Expect::Done,
+            },
             Step { at: 10 * S + 100 * MS, op: Op::Remaining, expect: Expect::Remaining(2) },
         ],
     },
@@ -117,16 +129,36 @@ pub const CASES: &[Case] = &[
         steps: &[
             decide(100 * MS, 3, allowed(2, 900 * MS)),
             decide(100 * MS, 3, rejected(Scope::Tenant, 900 * MS)),
-            Step { at: 200 * MS, op: Op::Decide { key: "", cost: 2, dry_run: true }, expect: allowed(2, 800 * MS) },
+            Step {
+                at: 200 * MS,
+                op: Op::Decide { key: "", cost: 2, dry_run: true },
+                expect: allowed(2, 800 * MS),
+            },
             decide(200 * MS, 2, allowed(0, 800 * MS)),
-            Step { at: 300 * MS, op: Op::Decide { key: "", cost: 1, dry_run: true }, expect: rejected(Scope::Tenant, 700 * MS) },
+            Step {
+                at: 300 * MS,
+                op: Op::Decide { key: "", cost: 1, dry_run: true },
+                expect: rejected(Scope::Tenant, 700 * MS),
+            },
             decide(S, 5, allowed(0, S)),
-            Step { at: S + 10 * MS, op: Op::Refund { granted_at: S, hold: 0, units: 2 }, expect: Expect::Done },
+            Step {
+                at: S + 10 * MS,
+                op: Op::Refund { granted_at: S, hold: 0, units: 2 },
+                expect: Expect::Done,
+            },
             // A refund of a past window changes nothing.
-            Step { at: S + 10 * MS, op: Op::Refund { granted_at: 100 * MS, hold: 0, units: 2 }, expect: Expect::Done },
+            Step {
+                at: S + 10 * MS,
+                op: Op::Refund { granted_at: 100 * MS, hold: 0, units: 2 },
+                expect: Expect::Done,
+            },
             Step { at: S + 10 * MS, op: Op::Remaining, expect: Expect::Remaining(2) },
             // A grant's hold ends with its window.
-            Step { at: S + 500 * MS, op: Op::Grant { max: 10, hold: 2 * S }, expect: Expect::Granted { units: 2, hold: 500 * MS } },
+            Step {
+                at: S + 500 * MS,
+                op: Op::Grant { max: 10, hold: 2 * S },
+                expect: Expect::Granted { units: 2, hold: 500 * MS },
+            },
             decide(S + 600 * MS, 1, rejected(Scope::Tenant, 400 * MS)),
             decide(2 * S, 1, allowed(4, S)),
         ],
@@ -142,8 +174,16 @@ pub const CASES: &[Case] = &[
             decide(S, 1, allowed(0, S)),
             decide(S, 2, rejected(Scope::Tenant, 200 * MS)),
             // At 1.25 s the two units of 0.2 s are gone: two left.
-            Step { at: S + 250 * MS, op: Op::Grant { max: 5, hold: S }, expect: Expect::Granted { units: 2, hold: 25 * MS } },
-            Step { at: S + 260 * MS, op: Op::Refund { granted_at: S + 250 * MS, hold: 25 * MS, units: 1 }, expect: Expect::Done },
+            Step {
+                at: S + 250 * MS,
+                op: Op::Grant { max: 5, hold: S },
+                expect: Expect::Granted { units: 2, hold: 25 * MS },
+            },
+            Step {
+                at: S + 260 * MS,
+                op: Op::Refund { granted_at: S + 250 * MS, hold: 25 * MS, units: 1 },
+                expect: Expect::Done,
+            },
             Step { at: S + 260 * MS, op: Op::Remaining, expect: Expect::Remaining(1) },
             decide(S + 260 * MS, 2, rejected(Scope::Tenant, 740 * MS)),
             decide(S + 260 * MS, 1, allowed(0, S + 15 * MS)),
@@ -173,11 +213,23 @@ pub const CASES: &[Case] = &[
             // Room for one more once 6 x (1 - e) <= 4: at e = 1/3 of the window.
             decide(S + 250 * MS, 1, rejected(Scope::Tenant, 83_334)),
             decide(S + 333_334, 1, allowed(0, 1_666_666)),
-            Step { at: S + 400 * MS, op: Op::Refund { granted_at: S + 250 * MS, hold: 0, units: 5 }, expect: Expect::Done },
-            Step { at: S + 400 * MS, op: Op::Refund { granted_at: 0, hold: 0, units: 2 }, expect: Expect::Done },
+            Step {
+                at: S + 400 * MS,
+                op: Op::Refund { granted_at: S + 250 * MS, hold: 0, units: 5 },
+                expect: Expect::Done,
+            },
+            Step {
+                at: S + 400 * MS,
+                op: Op::Refund { granted_at: 0, hold: 0, units: 2 },
+                expect: Expect::Done,
+            },
             // prev 4 x 0.6 = 2.4 -> 3; curr 1: six left.
             Step { at: S + 400 * MS, op: Op::Remaining, expect: Expect::Remaining(6) },
-            Step { at: S + 500 * MS, op: Op::Grant { max: 100, hold: 2 * S }, expect: Expect::Granted { units: 7, hold: 500 * MS } },
+            Step {
+                at: S + 500 * MS,
+                op: Op::Grant { max: 100, hold: 2 * S },
+                expect: Expect::Granted { units: 7, hold: 500 * MS },
+            },
             decide(4 * S, 10, allowed(0, 2 * S)),
         ],
     },
@@ -212,17 +264,41 @@ tenants:
     per_key: { algorithm: fixed_window, limit: 4, window: 1s }
 ",
         steps: &[
-            Step { at: 0, op: Op::Decide { key: "k1", cost: 3, dry_run: false }, expect: allowed(1, S) },
+            Step {
+                at: 0,
+                op: Op::Decide { key: "k1", cost: 3, dry_run: false },
+                expect: allowed(1, S),
+            },
             // The key level refuses: nothing is charged anywhere.
-            Step { at: 0, op: Op::Decide { key: "k1", cost: 2, dry_run: false }, expect: rejected(Scope::Key, S) },
-            Step { at: 0, op: Op::Decide { key: "k2", cost: 4, dry_run: false }, expect: allowed(0, S) },
+            Step {
+                at: 0,
+                op: Op::Decide { key: "k1", cost: 2, dry_run: false },
+                expect: rejected(Scope::Key, S),
+            },
+            Step {
+                at: 0,
+                op: Op::Decide { key: "k2", cost: 4, dry_run: false },
+                expect: allowed(0, S),
+            },
             // 7 of 10 at tenant x route: room for 4 once 7 x (1 - e) <= 6 in the next
             // window, e = 1/7 of it.
-            Step { at: 0, op: Op::Decide { key: "k3", cost: 4, dry_run: false }, expect: rejected(Scope::TenantRoute, 1_142_858) },
-            Step { at: 0, op: Op::Decide { key: "k3", cost: 3, dry_run: false }, expect: allowed(0, 2 * S) },
+            Step {
+                at: 0,
+                op: Op::Decide { key: "k3", cost: 4, dry_run: false },
+                expect: rejected(Scope::TenantRoute, 1_142_858),
+            },
+            Step {
+                at: 0,
+                op: Op::Decide { key: "k3", cost: 3, dry_run: false },
+                expect: allowed(0, 2 * S),
+            },
             // Tenant x route is full; the key level too: the outermost names the scope,
             // the longest wait is the answer.
-            Step { at: 0, op: Op::Decide { key: "k2", cost: 1, dry_run: false }, expect: rejected(Scope::TenantRoute, 1_100 * MS) },
+            Step {
+                at: 0,
+                op: Op::Decide { key: "k2", cost: 1, dry_run: false },
+                expect: rejected(Scope::TenantRoute, 1_100 * MS),
+            },
             Step { at: 0, op: Op::Remaining, expect: Expect::Remaining(0) },
         ],
     },

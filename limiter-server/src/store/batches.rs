@@ -23,6 +23,7 @@ use limiter_core::policy::{Chain, NameBounds, Policy, Request};
 use limiter_core::{Limit, Scope, Verdict};
 use parking_lot::Mutex;
 
+use super::Charged;
 use super::redis::RedisStore;
 use crate::error::ServerError;
 
@@ -81,7 +82,7 @@ impl Batches {
         chain: &Chain<'_>,
         now: Nanos,
         local: impl Fn() -> Nanos,
-    ) -> Result<Verdict, ServerError> {
+    ) -> Result<(Verdict, Charged), ServerError> {
         let cell = self.map.lock().entry(chain_id(chain)).or_default().clone();
         let mut b = cell.lock().await;
         if b.origin.is_none() {
@@ -93,7 +94,7 @@ impl Batches {
         if b.units >= cost && t < b.until {
             b.units -= cost;
             b.spent += cost;
-            return Ok(allowed(&b, chain, t));
+            return Ok((allowed(&b, chain, t), Charged { at: b.granted_at, hold: b.hold }));
         }
         // Renew: return what is left, ask for about half a hold of demand.
         let elapsed = t.saturating_sub(b.installed_at).max(1);
@@ -130,7 +131,7 @@ impl Batches {
             reset_at: t + g.reset,
             used_at: t,
         };
-        Ok(allowed(&b, chain, t))
+        Ok((allowed(&b, chain, t), Charged { at: b.granted_at, hold: b.hold }))
     }
 
     /// Returns the units of batches past their end, or idle for a hold, or all of

@@ -17,6 +17,16 @@ use self::batches::Batches;
 use self::redis::RedisStore;
 use crate::error::ServerError;
 
+/// When and for how long a decision's units were charged: what a refund of them must
+/// name (a decision: its instant and no hold; units taken from a batch: the batch's).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Charged {
+    /// The charge's instant.
+    pub at: Nanos,
+    /// The hold of the grant they came from (0 for a decision).
+    pub hold: Nanos,
+}
+
 /// A store of counters.
 #[derive(Debug)]
 pub enum Store {
@@ -79,9 +89,9 @@ impl Store {
         req: &Request<'_>,
         chain: &Chain<'_>,
         now: Nanos,
-    ) -> Result<Verdict, ServerError> {
+    ) -> Result<(Verdict, Charged), ServerError> {
         match self {
-            Self::Memory(l) => Ok(l.decide(chain, now)),
+            Self::Memory(l) => Ok((l.decide(chain, now), Charged { at: now, hold: 0 })),
             Self::Redis(r) => {
                 let batched = r.store.settings().batches
                     && !chain.dry_run

@@ -32,6 +32,7 @@ use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use redis::cluster_async::ClusterConnection;
 use tokio::sync::OnceCell;
 
+use super::Charged;
 use crate::error::ServerError;
 use crate::metrics as m;
 
@@ -446,10 +447,15 @@ impl RedisStore {
     /// # Errors
     ///
     /// Redis unreachable, slow or refusing (the breaker counts it).
-    pub async fn decide(&self, chain: &Chain<'_>, now: Nanos) -> Result<Verdict, ServerError> {
+    pub async fn decide(
+        &self,
+        chain: &Chain<'_>,
+        now: Nanos,
+    ) -> Result<(Verdict, Charged), ServerError> {
+        let mut at = Charged { at: now, hold: 0 };
         if chain.unknown_tenant || chain.keys().is_empty() {
             // Nothing to count: the same answer the memory store gives.
-            return Ok(limiter_core::Limiter::new(1).decide(chain, now));
+            return Ok((limiter_core::Limiter::new(1).decide(chain, now), at));
         }
         let groups = self.groups(chain);
         let mut tightest: Option<(usize, u64, Nanos)> = None;
@@ -466,15 +472,16 @@ impl RedisStore {
             if !d.admitted {
                 self.give_back(chain, now, &charged).await;
                 let l = chain.levels().nth(level).expect("the script names a level of the call");
-                return Ok(Verdict {
-                    decision: Decision::Rejected {
-                        reason: l.scope.reason(),
-                        scope: l.scope,
-                        limit: Some(*l.rule.limit),
-                        retry_after: d.value.saturating_mul(MICRO),
-                    },
-                    shadow: chain.shadow,
-                });
+                let decision = Decision::Rejected {
+                    reason: l.scope.reason(),
+                    scope: l.scope,
+                    limit: Some(*l.rule.limit),
+                    retry_after: d.value.saturating_mul(MICRO),
+                };
+                return Ok((Verdict { decision, shadow: chain.shadow }, at));
+            }
+            if charged.is_empty() {
+                at.at = d.at;
             }
             if !chain.dry_run {
                 charged.push((group, d.at));
@@ -494,7 +501,7 @@ impl RedisStore {
                 }
             }
         };
-        Ok(Verdict { decision, shadow: chain.shadow })
+        Ok((Verdict { decision, shadow: chain.shadow }, at))
     }
 
     /// Refunds what earlier groups of a Cluster decision were charged (best effort:

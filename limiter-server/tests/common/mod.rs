@@ -22,6 +22,17 @@ pub struct TestServer {
     pub dir: tempfile::TempDir,
     pub policy: PathBuf,
     running: Running,
+    /// The Redis the server's store is in, if any (stopped with the server).
+    pub redis: Option<redis::RedisServer>,
+}
+
+/// The store a test server runs on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Backend {
+    /// In memory (the default).
+    Memory,
+    /// A `redis-server` of its own, with this server's batches.
+    Redis,
 }
 
 impl TestServer {
@@ -39,7 +50,25 @@ impl TestServer {
         vars.extend(env.iter().map(|(k, v)| ((*k).to_owned(), (*v).to_owned())));
         let config = ServerConfig::load_with_env(None, vars).unwrap();
         let running = Server::new(config).unwrap().spawn_local().await.unwrap();
-        Self { grpc: running.grpc, admin: running.admin, dir, policy: path, running }
+        Self { grpc: running.grpc, admin: running.admin, dir, policy: path, running, redis: None }
+    }
+
+    /// Starts a server on `policy` with its store on `backend`.
+    pub async fn start_on(backend: Backend, policy: &str) -> Self {
+        match backend {
+            Backend::Memory => Self::start(policy).await,
+            Backend::Redis => {
+                let redis = redis::RedisServer::start();
+                let url = redis.url();
+                let mut s = Self::start_with(
+                    policy,
+                    &[("LIMITER__STORE__KIND", "redis"), ("LIMITER__STORE__REDIS__URL", &url)],
+                )
+                .await;
+                s.redis = Some(redis);
+                s
+            }
+        }
     }
 
     pub async fn start(policy: &str) -> Self {

@@ -25,7 +25,9 @@
 --   decide     {1, tightest level (1-based, 0: none), remaining, reset after, now}
 --              {0, failing level (outermost), retry after (longest), 0, now}
 --   grant      {units, granted at, hold, binding level (0: none), then after the
---              grant: units left at the tightest level, that level, its reset after}
+--              grant: units left at the tightest level, that level, its reset after;
+--              then, when `need` did not fit: the outermost level refusing it and
+--              the longest wait (as decide answers), else 0, 0}
 --   remaining  {units left at the tightest level}
 --   others     {0}
 -- Time: redis.call('TIME') (Redis 7 replicates a script's effects, not the script, so
@@ -127,10 +129,20 @@ elseif op == 'grant' then
     local r = lv.algo.remaining(lv, now)
     if r < units then units, binding = r, n end
   end
+  local failed, wait = 0, 0
   if a3 > 0 then
     local left = min_remaining()
     if left < a3 then
+      -- Not even `need`: the request waiting for this grant is refused here, as
+      -- decide would refuse it (outermost failing level, longest wait).
       units = 0
+      for n, lv in ipairs(levels) do
+        if lv.algo.remaining(lv, now) < a3 then
+          if failed == 0 then failed = n end
+          local cost = math.min(a3, lv.algo.capacity(lv))
+          wait = math.max(wait, lv.algo.retry_after(lv, now, cost))
+        end
+      end
     else
       units = math.max(a3, math.min(units, idiv(left, 2)))
     end
@@ -144,7 +156,7 @@ elseif op == 'grant' then
   local reset = 0
   if tight > 0 then reset = levels[tight].algo.reset_after(levels[tight], now) end
   save_all()
-  return { units, now, hold, binding, left, tight, reset }
+  return { units, now, hold, binding, left, tight, reset, failed, wait }
 elseif op == 'remaining' then
   local left = min_remaining()
   save_all()

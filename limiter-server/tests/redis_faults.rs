@@ -110,14 +110,19 @@ async fn redis_away_and_back_under_load() {
             drive(&mut c2, "/closed", Duration::from_millis(1_500)),
             drive(&mut c3, "/batched", Duration::from_millis(1_500)),
         );
-        println!("{phase}: /open {open:?}\n{phase}: /closed {closed:?}\n{phase}: /batched {batched:?}");
+        println!(
+            "{phase}: /open {open:?}\n{phase}: /closed {closed:?}\n{phase}: /batched {batched:?}"
+        );
         for t in [&open, &closed, &batched] {
             assert!(t.slowest < DEADLINE, "{phase}: a call waited too long: {t:?}");
         }
         // A batch's units were paid for in Redis before the outage: spendable until the
         // batch ends (1 s), never more than one batch; then the policy (fail closed).
         assert!(batched.allowed <= 50, "{phase}: {batched:?}");
-        assert!(batched.by_reason.keys().all(|r| r == "LIMITER_UNAVAILABLE"), "{phase}: {batched:?}");
+        assert!(
+            batched.by_reason.keys().all(|r| r == "LIMITER_UNAVAILABLE"),
+            "{phase}: {batched:?}"
+        );
         // Fail closed: nothing admitted once the breaker has opened (the calls before
         // it, at most the threshold, failed too: a failed call never admits).
         assert_eq!(closed.allowed, 0, "{phase}: {closed:?}");

@@ -34,9 +34,19 @@ type ChainId = (Box<str>, Box<str>, Box<str>, u64);
 /// A request that resolves to the chain (to give a batch back after a while).
 type Origin = (Box<str>, Box<str>, Option<Box<str>>);
 
+/// A refusal Redis made, remembered for a moment.
+#[derive(Debug, Clone, Copy)]
+struct Denied {
+    cost: u64,
+    at: Nanos,
+    until: Nanos,
+    decision: Decision,
+}
+
 #[derive(Debug, Default)]
 struct Batch {
     origin: Option<Origin>,
+    denied: Option<Denied>,
     units: u64,
     granted_at: Nanos,
     hold: Nanos,
@@ -96,6 +106,15 @@ impl Batches {
             b.spent += cost;
             return Ok((allowed(&b, chain, t), Charged { at: b.granted_at, hold: b.hold }));
         }
+        if let Some(d) = &b.denied
+            && t < d.until
+            && cost >= d.cost
+            && let Decision::Rejected { reason, scope, limit, retry_after } = d.decision
+        {
+            let retry_after = retry_after.saturating_sub(t - d.at).max(1);
+            let decision = Decision::Rejected { reason, scope, limit, retry_after };
+            return Ok((Verdict { decision, shadow: chain.shadow }, Charged { at: now, hold: 0 }));
+        }
         // Renew: return what is left, ask for about half a hold of demand.
         let elapsed = t.saturating_sub(b.installed_at).max(1);
         if b.installed_at > 0 {
@@ -112,13 +131,31 @@ impl Batches {
         b.units = 0;
         let g = store.grant_raw(chain, now, want, ttl, cost, back).await?;
         if g.units < cost {
-            drop(b);
-            // Not enough left to hold a batch: Redis decides this one exactly.
-            return store.decide(chain, now).await;
+            let Some(level) = g.failed.checked_sub(1).and_then(|i| chain.levels().nth(i)) else {
+                drop(b);
+                // A Cluster group granted less than an earlier one: decide exactly.
+                return store.decide(chain, now).await;
+            };
+            // Refused, as a decision would be (the script checked `cost` the same way).
+            // Requests as large until the wait is over, or a hold at most, are refused
+            // here without asking Redis again (under-admission only: a refund elsewhere
+            // may free units sooner).
+            let decision = Decision::Rejected {
+                reason: level.scope.reason(),
+                scope: level.scope,
+                limit: Some(*level.rule.limit),
+                retry_after: g.wait,
+            };
+            b.denied = Some(Denied { cost, at: t, until: t + g.wait.min(g.hold / 4), decision });
+            return Ok((
+                Verdict { decision, shadow: chain.shadow },
+                Charged { at: g.granted_at, hold: 0 },
+            ));
         }
         let margin = (g.hold / 10).max(1_000_000).min(g.hold);
         *b = Batch {
             origin: b.origin.take(),
+            denied: None,
             units: g.units - cost,
             granted_at: g.granted_at,
             hold: g.hold,

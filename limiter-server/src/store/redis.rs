@@ -222,6 +222,9 @@ pub(crate) struct Granted {
     pub left: u64,
     pub tight: usize,
     pub reset: Nanos,
+    /// When `need` did not fit: the outermost refusing level (0: none) and the wait.
+    pub failed: usize,
+    pub wait: Nanos,
 }
 
 fn us(n: Nanos) -> u64 {
@@ -612,7 +615,12 @@ impl RedisStore {
                 left: u64::try_from(get(4)).unwrap_or(0),
                 tight: usize::try_from(get(5)).unwrap_or(0),
                 reset: ns(get(6)),
+                failed: usize::try_from(get(7)).unwrap_or(0),
+                wait: ns(get(8)),
             };
+            if g.failed > 0 && result.failed == 0 {
+                (result.failed, result.wait) = (group.0 + g.failed, g.wait);
+            }
             if g.tight > 0 && g.left < result.left {
                 (result.left, result.tight, result.reset) = (g.left, group.0 + g.tight, g.reset);
             }

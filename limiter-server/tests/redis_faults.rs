@@ -5,7 +5,9 @@
 
 mod common;
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
+
+use tokio::time::Instant;
 
 use common::redis::RedisServer;
 use common::{TestServer, ask, eventually};

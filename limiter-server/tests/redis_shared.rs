@@ -4,7 +4,9 @@
 
 mod common;
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
+
+use tokio::time::Instant;
 
 use common::redis::{RedisServer, command};
 use common::{TestServer, ask, eventually};

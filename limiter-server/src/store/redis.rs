@@ -86,7 +86,7 @@ pub struct RedisSettings {
 
 enum Conn {
     Single(Vec<ConnectionManager>),
-    Cluster(OnceCell<ClusterConnection>, redis::cluster::ClusterClient),
+    Cluster(Box<(OnceCell<ClusterConnection>, redis::cluster::ClusterClient)>),
 }
 
 /// Counters in Redis.
@@ -108,7 +108,7 @@ impl std::fmt::Debug for RedisStore {
 /// One level's script parameters: kind and three numbers.
 fn params(limit: &Limit) -> Result<(&'static str, [u64; 3]), String> {
     let window = |limit: u64, window: u64| {
-        if window % MICRO != 0 {
+        if !window.is_multiple_of(MICRO) {
             return Err(format!(
                 "window of {window} ns is not a whole number of microseconds (the Redis store counts time in microseconds)"
             ));
@@ -266,7 +266,7 @@ impl RedisStore {
                 .retries(1)
                 .build()
                 .map_err(|e| format!("store.redis.cluster_nodes: {e}"))?;
-            Conn::Cluster(OnceCell::new(), client)
+            Conn::Cluster(Box::new((OnceCell::new(), client)))
         };
         let breaker = Breaker::new(
             settings.breaker_threshold,
@@ -351,7 +351,8 @@ impl RedisStore {
                 let i = self.next.fetch_add(1, Ordering::Relaxed) % managers.len();
                 Ok(Connection::Single(managers[i].clone()))
             }
-            Conn::Cluster(cell, client) => {
+            Conn::Cluster(cluster) => {
+                let (cell, client) = &**cluster;
                 let c = cell.get_or_try_init(|| client.get_async_connection()).await?;
                 Ok(Connection::Cluster(c.clone()))
             }

@@ -13,7 +13,7 @@ use limiter_core::key::MAX_NAME_LEN;
 use limiter_core::policy::NameBounds;
 use serde::Deserialize;
 
-use crate::store::redis::{RedisClock, RedisSettings};
+use crate::store::redis::{PoolKind, RedisClock, RedisSettings};
 
 /// Exit status for bad configuration (`EX_CONFIG`... `EX_USAGE` in sysexits: 64).
 pub const EXIT_BAD_CONFIG: i32 = 64;
@@ -46,6 +46,7 @@ struct RawRedis {
     url: String,
     cluster_nodes: String,
     connections: i64,
+    pool: String,
     connect_timeout_ms: i64,
     command_timeout_ms: i64,
     breaker_threshold: i64,
@@ -100,6 +101,7 @@ store:
     url: "redis://127.0.0.1:6379"
     cluster_nodes: ""
     connections: 2
+    pool: multiplexed
     connect_timeout_ms: 500
     command_timeout_ms: 100
     breaker_threshold: 5
@@ -310,8 +312,19 @@ fn redis_settings(errors: &mut Vec<String>, r: &RawRedis) -> RedisSettings {
             RedisClock::Redis
         }
     };
+    let pool = match r.pool.as_str() {
+        "multiplexed" => PoolKind::Multiplexed,
+        "bb8" => PoolKind::Bb8,
+        other => {
+            errors.push(format!(
+                "store.redis.pool: expected `multiplexed` or `bb8`, found `{other}`"
+            ));
+            PoolKind::Multiplexed
+        }
+    };
     RedisSettings {
         url: r.url.clone(),
+        pool,
         cluster_nodes,
         connections: positive(errors, "store.redis.connections", r.connections, 64),
         connect_timeout: millis(

@@ -50,6 +50,17 @@ pub const SCRIPT: &str = concat!(
 const EXACT: u64 = 1 << 50;
 const MICRO: u64 = 1_000;
 
+/// How calls to a single Redis share connections.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PoolKind {
+    /// `connections` multiplexed connections (each pipelines many calls at once),
+    /// used in turn, reconnecting by themselves (the default: faster, see
+    /// BENCHMARKS.md).
+    Multiplexed,
+    /// A `bb8` pool of up to `connections` connections, each lent to one call at a time.
+    Bb8,
+}
+
 /// Whose clock decides.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum RedisClock {
@@ -66,8 +77,10 @@ pub struct RedisSettings {
     pub url: String,
     /// Cluster seed nodes (URLs like `url`); empty: a single Redis at `url`.
     pub cluster_nodes: Vec<String>,
-    /// Multiplexed connections to a single Redis, used in turn.
+    /// Connections to a single Redis.
     pub connections: usize,
+    /// How calls share them.
+    pub pool: PoolKind,
     /// Deadline to connect.
     pub connect_timeout: Duration,
     /// Deadline of one call (the script and its reply).
@@ -86,6 +99,7 @@ pub struct RedisSettings {
 
 enum Conn {
     Single(Vec<ConnectionManager>),
+    Pool(bb8::Pool<redis::Client>),
     Cluster(Box<(OnceCell<ClusterConnection>, redis::cluster::ClusterClient)>),
 }
 
@@ -246,7 +260,16 @@ impl RedisStore {
         settings: RedisSettings,
         clock: std::sync::Arc<dyn limiter_core::clock::Clock>,
     ) -> Result<Self, String> {
-        let conn = if settings.cluster_nodes.is_empty() {
+        let conn = if settings.cluster_nodes.is_empty() && settings.pool == PoolKind::Bb8 {
+            let client = redis::Client::open(settings.url.as_str())
+                .map_err(|e| format!("store.redis.url: {e}"))?;
+            let pool = bb8::Pool::builder()
+                .max_size(u32::try_from(settings.connections.max(1)).unwrap_or(64))
+                .connection_timeout(settings.connect_timeout)
+                .test_on_check_out(false)
+                .build_unchecked(client);
+            Conn::Pool(pool)
+        } else if settings.cluster_nodes.is_empty() {
             let client = redis::Client::open(settings.url.as_str())
                 .map_err(|e| format!("store.redis.url: {e}"))?;
             let config = ConnectionManagerConfig::new()
@@ -344,17 +367,24 @@ impl RedisStore {
         groups
     }
 
-    async fn connection(&self) -> Result<Connection, redis::RedisError> {
+    async fn invoke(&self, inv: &redis::ScriptInvocation<'_>) -> Result<Vec<i64>, String> {
         match &self.conn {
             Conn::Single(managers) => {
                 // Relaxed: only spreads calls over the connections.
                 let i = self.next.fetch_add(1, Ordering::Relaxed) % managers.len();
-                Ok(Connection::Single(managers[i].clone()))
+                inv.invoke_async(&mut managers[i].clone()).await.map_err(|e| e.to_string())
+            }
+            Conn::Pool(pool) => {
+                let mut c = pool.get().await.map_err(|e| e.to_string())?;
+                inv.invoke_async(&mut *c).await.map_err(|e| e.to_string())
             }
             Conn::Cluster(cluster) => {
                 let (cell, client) = &**cluster;
-                let c = cell.get_or_try_init(|| client.get_async_connection()).await?;
-                Ok(Connection::Cluster(c.clone()))
+                let c = cell
+                    .get_or_try_init(|| client.get_async_connection())
+                    .await
+                    .map_err(|e| e.to_string())?;
+                inv.invoke_async(&mut c.clone()).await.map_err(|e| e.to_string())
             }
         }
     }
@@ -393,13 +423,7 @@ impl RedisStore {
         for (kind, p) in levels {
             inv.arg(kind).arg(p[0]).arg(p[1]).arg(p[2]);
         }
-        let result = tokio::time::timeout(self.settings.command_timeout, async {
-            match self.connection().await? {
-                Connection::Single(mut c) => inv.invoke_async::<Vec<i64>>(&mut c).await,
-                Connection::Cluster(mut c) => inv.invoke_async::<Vec<i64>>(&mut c).await,
-            }
-        })
-        .await;
+        let result = tokio::time::timeout(self.settings.command_timeout, self.invoke(&inv)).await;
         metrics::counter!(m::STORE_CALLS, "op" => op).increment(1);
         let error = match result {
             Ok(Ok(v)) => {
@@ -694,9 +718,4 @@ impl RedisStore {
         }
         Ok(least)
     }
-}
-
-enum Connection {
-    Single(ConnectionManager),
-    Cluster(ClusterConnection),
 }

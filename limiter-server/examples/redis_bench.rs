@@ -5,7 +5,8 @@
 //!   one decision (what Redis itself can do of our work);
 //! - one server in this process on that Redis, `ShouldAllow` over loopback gRPC from
 //!   64 concurrent callers: per request (every decision a script call) over one and
-//!   over four multiplexed connections, then with batches leased from Redis (and the
+//!   over four multiplexed connections, and over a `bb8` pool of 16 connections (one
+//!   call at a time on each), then with batches leased from Redis (and the
 //!   Redis calls per 1000 decisions, from Redis's own `INFO commandstats`);
 //! - the memory store on the same calls, for reference.
 //!
@@ -39,6 +40,7 @@ tenants:
 const CALLERS: u64 = 64;
 const KEYS: u64 = 1_000;
 const PHASE: Duration = Duration::from_secs(4);
+const WARM: Duration = Duration::from_secs(2);
 
 fn script_calls(port: u16) -> u64 {
     let info = command(port, "INFO commandstats").unwrap_or_default();
@@ -73,9 +75,14 @@ fn load_script(port: u16, body: &str) -> String {
 }
 
 /// Decisions per second of a server configured by `env`, and the Redis calls made.
-async fn server_rate(dir: &std::path::Path, env: &[(&str, String)], port: u16) -> (f64, u64, u64) {
+async fn server_rate(
+    dir: &std::path::Path,
+    policy: &str,
+    env: &[(&str, String)],
+    port: u16,
+) -> (f64, u64, u64) {
     let path = dir.join("policies.yaml");
-    std::fs::write(&path, POLICY).unwrap();
+    std::fs::write(&path, policy).unwrap();
     let mut vars = vec![("LIMITER__POLICY_FILE".to_owned(), path.display().to_string())];
     vars.extend(env.iter().map(|(k, v)| ((*k).to_owned(), v.clone())));
     let config = ServerConfig::load_with_env(None, vars).unwrap();
@@ -92,7 +99,23 @@ async fn server_rate(dir: &std::path::Path, env: &[(&str, String)], port: u16) -
         };
         client.clone().should_allow(req).await.unwrap();
     }
+    // The same load untimed for a while first: batches reach their steady size.
+    load(&client, &keys, WARM).await;
     let calls_before = script_calls(port);
+    let started = Instant::now();
+    let n = load(&client, &keys, PHASE).await;
+    let secs = started.elapsed().as_secs_f64();
+    let calls = script_calls(port).saturating_sub(calls_before);
+    running.stop().await.unwrap();
+    (n as f64 / secs, n, calls)
+}
+
+/// `CALLERS` closed-loop callers over `keys` for `period`; returns the decisions made.
+async fn load(
+    client: &RateLimiterClient<tonic::transport::Channel>,
+    keys: &Arc<Vec<String>>,
+    period: Duration,
+) -> u64 {
     let done = Arc::new(AtomicU64::new(0));
     let started = Instant::now();
     let tasks: Vec<_> = (0..CALLERS)
@@ -100,7 +123,7 @@ async fn server_rate(dir: &std::path::Path, env: &[(&str, String)], port: u16) -
             let (mut c, keys, done) = (client.clone(), keys.clone(), done.clone());
             tokio::spawn(async move {
                 let mut i = t;
-                while started.elapsed() < PHASE {
+                while started.elapsed() < period {
                     let req = pb::ShouldAllowRequest {
                         tenant: "acme".into(),
                         route: "/search".into(),
@@ -118,11 +141,7 @@ async fn server_rate(dir: &std::path::Path, env: &[(&str, String)], port: u16) -
     for t in tasks {
         t.await.unwrap();
     }
-    let secs = started.elapsed().as_secs_f64();
-    let n = done.load(Ordering::Relaxed);
-    let calls = script_calls(port).saturating_sub(calls_before);
-    running.stop().await.unwrap();
-    (n as f64 / secs, n, calls)
+    done.load(Ordering::Relaxed)
 }
 
 #[tokio::main]
@@ -160,22 +179,28 @@ async fn main() {
     );
     let _ = command(port, "FLUSHALL");
     let dir = tempfile::tempdir().unwrap();
-    let redis_env = |connections: u32, batches: bool| {
+    let redis_env = |pool: &str, connections: u32, batches: bool| {
         vec![
             ("LIMITER__STORE__KIND", "redis".to_owned()),
             ("LIMITER__STORE__REDIS__URL", redis.url()),
+            ("LIMITER__STORE__REDIS__POOL", pool.to_owned()),
             ("LIMITER__STORE__REDIS__CONNECTIONS", connections.to_string()),
             ("LIMITER__STORE__REDIS__BATCHES", batches.to_string()),
         ]
     };
-    let one = server_rate(dir.path(), &redis_env(1, false), port).await;
-    let four = server_rate(dir.path(), &redis_env(4, false), port).await;
-    let batched = server_rate(dir.path(), &redis_env(2, true), port).await;
-    let memory = server_rate(dir.path(), &[], port).await;
+    let d = dir.path();
+    let one = server_rate(d, POLICY, &redis_env("multiplexed", 1, false), port).await;
+    let four = server_rate(d, POLICY, &redis_env("multiplexed", 4, false), port).await;
+    let pooled = server_rate(d, POLICY, &redis_env("bb8", 16, false), port).await;
+    let batched = server_rate(d, POLICY, &redis_env("multiplexed", 2, true), port).await;
+    let longer = format!("{POLICY}lease: {{ mode: leased, ttl: 5s, max_batch: 1000 }}\n");
+    let batched5 = server_rate(d, &longer, &redis_env("multiplexed", 2, true), port).await;
+    let memory = server_rate(d, POLICY, &[], port).await;
     let cores = std::thread::available_parallelism().map_or(0, usize::from);
     println!(
-        "Redis store throughput, {cores} cores, {CALLERS} concurrent callers, {KEYS} keys, {} s per phase",
-        PHASE.as_secs()
+        "Redis store throughput, {cores} cores, {CALLERS} concurrent callers, {KEYS} keys, {} s per phase after {} s of warm-up",
+        PHASE.as_secs(),
+        WARM.as_secs()
     );
     println!();
     println!("| what | per second | ratio to the floor |");
@@ -188,7 +213,9 @@ async fn main() {
     for (name, (rate, n, calls)) in [
         ("server on Redis, per request, 1 multiplexed connection", one),
         ("server on Redis, per request, 4 multiplexed connections", four),
-        ("server on Redis, batches leased from Redis", batched),
+        ("server on Redis, per request, bb8 pool of 16 connections", pooled),
+        ("server on Redis, batches leased from Redis (lease ttl 2 s, the default)", batched),
+        ("server on Redis, batches leased from Redis (lease ttl 5 s)", batched5),
         ("server on the memory store (reference)", memory),
     ] {
         let per_1000 = if n > 0 { calls as f64 * 1000.0 / n as f64 } else { 0.0 };

@@ -187,3 +187,87 @@ async fn a_server_starts_while_redis_is_down_and_follows_its_policies() {
     assert!(r.allowed);
     s.stop().await;
 }
+
+#[tokio::test]
+async fn a_password_protected_redis_with_the_right_and_a_wrong_password() {
+    let redis = RedisServer::start_with(&["--requirepass", "s3cret"]);
+    let good = format!("redis://:s3cret@127.0.0.1:{}", redis.port);
+    let s = TestServer::start_with(
+        POLICY,
+        &[("LIMITER__STORE__KIND", "redis"), ("LIMITER__STORE__REDIS__URL", &good)],
+    )
+    .await;
+    let mut c = s.native().await;
+    for left in [9, 8] {
+        let r = c.should_allow(ask("counted", "/exact")).await.unwrap().into_inner();
+        assert!(r.allowed);
+        assert_eq!(r.remaining, left, "decided in Redis");
+    }
+    s.stop().await;
+    let bad = format!("redis://:wrong@127.0.0.1:{}", redis.port);
+    let s = TestServer::start_with(
+        POLICY,
+        &[
+            ("LIMITER__STORE__KIND", "redis"),
+            ("LIMITER__STORE__REDIS__URL", &bad),
+            ("LIMITER__STORE__REDIS__COMMAND_TIMEOUT_MS", "200"),
+        ],
+    )
+    .await;
+    let mut c = s.native().await;
+    let r = c.should_allow(ask("t", "/closed")).await.unwrap().into_inner();
+    assert_eq!(r.reason(), pb::Reason::LimiterUnavailable, "refused by Redis: the policy applies");
+    s.stop().await;
+}
+
+#[tokio::test]
+async fn tls_to_redis() {
+    let dir = tempfile::tempdir().unwrap();
+    let (cert, key) = (dir.path().join("cert.pem"), dir.path().join("key.pem"));
+    let made = std::process::Command::new("openssl")
+        .args(["req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=localhost"])
+        .arg("-keyout")
+        .arg(&key)
+        .arg("-out")
+        .arg(&cert)
+        .stderr(std::process::Stdio::null())
+        .status()
+        .unwrap();
+    assert!(made.success());
+    let port = common::redis::free_port();
+    let mut child = std::process::Command::new("redis-server")
+        .args(["--port", "0", "--bind", "127.0.0.1", "--save", "", "--tls-auth-clients", "no"])
+        .args(["--tls-port", &port.to_string()])
+        .arg("--tls-cert-file")
+        .arg(&cert)
+        .arg("--tls-key-file")
+        .arg(&key)
+        .arg("--tls-ca-cert-file")
+        .arg(&cert)
+        .arg("--dir")
+        .arg(dir.path())
+        .stdout(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let up = eventually(Duration::from_secs(10), || async move {
+        tokio::net::TcpStream::connect(("127.0.0.1", port)).await.is_ok()
+    })
+    .await;
+    assert!(up, "redis-server with TLS did not start");
+    // The test's certificate is self-signed: verification off (`#insecure`); a real
+    // deployment names a certificate its CA signed.
+    let url = format!("rediss://127.0.0.1:{port}/#insecure");
+    let s = TestServer::start_with(
+        POLICY,
+        &[("LIMITER__STORE__KIND", "redis"), ("LIMITER__STORE__REDIS__URL", &url)],
+    )
+    .await;
+    let mut c = s.native().await;
+    for left in [9, 8] {
+        let r = c.should_allow(ask("counted", "/exact")).await.unwrap().into_inner();
+        assert_eq!((r.allowed, r.remaining), (true, left), "{r:?}");
+    }
+    s.stop().await;
+    let _ = child.kill();
+    let _ = child.wait();
+}

@@ -4,7 +4,7 @@
 //! - Pre-paid: a batch is debited from every level of its chain in Redis when it is
 //!   granted, so the units one server holds can never be spent by another; several
 //!   servers sharing one Redis never admit more than the limits allow.
-//! - Sized by demand (about half a hold's worth at the rate the previous batch was
+//! - Sized by demand (about a hold's worth at the rate the previous batch was
 //!   spent), at most the route's `max_batch`, and at most half of what is left in
 //!   Redis (the script's rule), so one server strands at most half the rest.
 //! - Spent for at most the grant's hold (counted from when this server asked, less a
@@ -115,14 +115,14 @@ impl Batches {
             let decision = Decision::Rejected { reason, scope, limit, retry_after };
             return Ok((Verdict { decision, shadow: chain.shadow }, Charged { at: now, hold: 0 }));
         }
-        // Renew: return what is left, ask for about half a hold of demand.
+        // Renew: return what is left, ask for about a hold of demand.
         let elapsed = t.saturating_sub(b.installed_at).max(1);
         if b.installed_at > 0 {
             let rate = u128::from(b.spent) * u128::from(NANOS_PER_SEC) / u128::from(elapsed);
             b.demand = u64::try_from(rate).unwrap_or(u64::MAX);
         }
         let ttl = chain.route.lease.ttl;
-        let by_demand = u128::from(b.demand) * u128::from(ttl) / u128::from(2 * NANOS_PER_SEC);
+        let by_demand = u128::from(b.demand) * u128::from(ttl) / u128::from(NANOS_PER_SEC);
         let want = u64::try_from(by_demand)
             .unwrap_or(u64::MAX)
             .min(chain.route.lease.max_batch.get())
@@ -171,8 +171,9 @@ impl Batches {
         Ok((allowed(&b, chain, t), Charged { at: b.granted_at, hold: b.hold }))
     }
 
-    /// Returns the units of batches past their end, or idle for a hold, or all of
-    /// them (`all`, at shutdown); forgets batches with nothing left.
+    /// Returns the units of batches idle for half a hold, or of all of them (`all`, at
+    /// shutdown), and forgets them. A batch still in use goes back with its renewal
+    /// (in the same call as the next grant), never in a call of its own.
     pub(crate) async fn flush(
         &self,
         store: &RedisStore,
@@ -185,8 +186,8 @@ impl Batches {
             self.map.lock().iter().map(|(k, v)| (k.clone(), v.clone())).collect();
         for (id, cell) in cells {
             let Ok(mut b) = cell.try_lock() else { continue };
-            let stale = local >= b.until || local.saturating_sub(b.used_at) >= b.hold;
-            if !(all || stale) {
+            let idle = local.saturating_sub(b.used_at) >= b.hold / 2;
+            if !(all || idle) {
                 continue;
             }
             if let (true, Some((tenant, route, key))) = (b.units > 0, &b.origin) {
@@ -205,10 +206,8 @@ impl Batches {
                 b.units = 0;
             }
             b.until = 0;
-            if local.saturating_sub(b.used_at) >= b.hold || all {
-                drop(b);
-                self.map.lock().remove(&id);
-            }
+            drop(b);
+            self.map.lock().remove(&id);
         }
     }
 

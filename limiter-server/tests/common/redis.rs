@@ -81,7 +81,9 @@ impl RedisServer {
         self.child = Some(cmd.spawn().expect("redis-server is installed (.ci/run installs it)"));
         // Up to 10 s.
         for _ in 0..500 {
-            if command(self.port, "PING").is_some_and(|r| r.starts_with("+PONG")) {
+            // A password-protected server answers NOAUTH: up all the same.
+            let up = |r: String| r.starts_with("+PONG") || r.starts_with("-NOAUTH");
+            if command(self.port, "PING").is_some_and(up) {
                 return;
             }
             std::thread::sleep(Duration::from_millis(20));

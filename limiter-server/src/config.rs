@@ -47,6 +47,7 @@ struct RawRedis {
     cluster_nodes: String,
     connections: i64,
     pool: String,
+    tls_ca_file: String,
     connect_timeout_ms: i64,
     command_timeout_ms: i64,
     breaker_threshold: i64,
@@ -102,6 +103,7 @@ store:
     cluster_nodes: ""
     connections: 2
     pool: multiplexed
+    tls_ca_file: ""
     connect_timeout_ms: 500
     command_timeout_ms: 100
     breaker_threshold: 5
@@ -322,9 +324,16 @@ fn redis_settings(errors: &mut Vec<String>, r: &RawRedis) -> RedisSettings {
             PoolKind::Multiplexed
         }
     };
+    let tls_ca_file = Some(r.tls_ca_file.trim()).filter(|f| !f.is_empty()).map(PathBuf::from);
+    if let Some(f) = &tls_ca_file
+        && !f.is_file()
+    {
+        errors.push(format!("store.redis.tls_ca_file: `{}` is not a readable file", f.display()));
+    }
     RedisSettings {
         url: r.url.clone(),
         pool,
+        tls_ca_file,
         cluster_nodes,
         connections: positive(errors, "store.redis.connections", r.connections, 64),
         connect_timeout: millis(
@@ -494,6 +503,53 @@ mod tests {
         for needle in ["listen:", "policy_file:", "store.max_keys:", "envoy.tenant_from:"] {
             assert!(text.contains(needle), "{needle} missing from {text}");
         }
+    }
+
+    #[test]
+    fn the_redis_store_is_configured_and_checked() {
+        let c = ServerConfig::load_with_env(
+            None,
+            env(&[
+                ("LIMITER__POLICY_FILE", "p.yaml"),
+                ("LIMITER__STORE__KIND", "redis"),
+                ("LIMITER__STORE__REDIS__CLUSTER_NODES", "redis://a:7000, redis://b:7001"),
+                ("LIMITER__STORE__REDIS__BATCHES", "false"),
+            ]),
+        )
+        .unwrap();
+        let StoreKind::Redis(r) = c.store else { panic!("redis expected") };
+        assert_eq!(r.cluster_nodes, ["redis://a:7000", "redis://b:7001"]);
+        assert!(!r.batches);
+        assert_eq!(r.command_timeout, Duration::from_millis(100));
+        let e = ServerConfig::load_with_env(
+            None,
+            env(&[
+                ("LIMITER__POLICY_FILE", "p.yaml"),
+                ("LIMITER__STORE__KIND", "redis"),
+                ("LIMITER__STORE__REDIS__URL", "http://x"),
+                ("LIMITER__STORE__REDIS__POOL", "deadpool"),
+                ("LIMITER__STORE__REDIS__CLOCK", "gateway"),
+                ("LIMITER__STORE__REDIS__COMMAND_TIMEOUT_MS", "0"),
+                ("LIMITER__STORE__REDIS__TLS_CA_FILE", "/nonexistent/ca.pem"),
+            ]),
+        )
+        .unwrap_err()
+        .to_string();
+        for needle in [
+            "store.redis.url:",
+            "store.redis.pool:",
+            "store.redis.clock:",
+            "store.redis.command_timeout_ms:",
+            "store.redis.tls_ca_file:",
+        ] {
+            assert!(e.contains(needle), "{needle} missing from {e}");
+        }
+        let e = ServerConfig::load_with_env(
+            None,
+            env(&[("LIMITER__POLICY_FILE", "p.yaml"), ("LIMITER__STORE__KIND", "etcd")]),
+        )
+        .unwrap_err();
+        assert!(e.to_string().contains("store.kind: expected `memory` or `redis`"), "{e}");
     }
 
     #[test]

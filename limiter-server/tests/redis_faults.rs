@@ -221,45 +221,107 @@ async fn a_password_protected_redis_with_the_right_and_a_wrong_password() {
 }
 
 #[tokio::test]
-async fn tls_to_redis() {
+async fn tls_to_redis_with_a_private_ca() {
     let dir = tempfile::tempdir().unwrap();
-    let (cert, key) = (dir.path().join("cert.pem"), dir.path().join("key.pem"));
-    let made = std::process::Command::new("openssl")
-        .args(["req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=localhost"])
-        .arg("-keyout")
-        .arg(&key)
-        .arg("-out")
-        .arg(&cert)
-        .stderr(std::process::Stdio::null())
-        .status()
-        .unwrap();
-    assert!(made.success());
+    let d = dir.path();
+    let openssl = |args: &[&str]| {
+        let ok = std::process::Command::new("openssl")
+            .args(args)
+            .current_dir(d)
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .status()
+            .unwrap();
+        assert!(ok.success(), "openssl {args:?}");
+    };
+    // A CA of the test's own, and a certificate it signs for 127.0.0.1.
+    openssl(&[
+        "req",
+        "-x509",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-days",
+        "1",
+        "-subj",
+        "/CN=test-ca",
+        "-keyout",
+        "ca.key",
+        "-out",
+        "ca.pem",
+    ]);
+    openssl(&[
+        "req",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-subj",
+        "/CN=localhost",
+        "-keyout",
+        "key.pem",
+        "-out",
+        "req.csr",
+    ]);
+    std::fs::write(d.join("san.ext"), "subjectAltName=IP:127.0.0.1,DNS:localhost\n").unwrap();
+    openssl(&[
+        "x509",
+        "-req",
+        "-in",
+        "req.csr",
+        "-CA",
+        "ca.pem",
+        "-CAkey",
+        "ca.key",
+        "-CAcreateserial",
+        "-days",
+        "1",
+        "-extfile",
+        "san.ext",
+        "-out",
+        "cert.pem",
+    ]);
     let port = common::redis::free_port();
-    let mut child = std::process::Command::new("redis-server")
-        .args(["--port", "0", "--bind", "127.0.0.1", "--save", "", "--tls-auth-clients", "no"])
-        .args(["--tls-port", &port.to_string()])
-        .arg("--tls-cert-file")
-        .arg(&cert)
-        .arg("--tls-key-file")
-        .arg(&key)
-        .arg("--tls-ca-cert-file")
-        .arg(&cert)
-        .arg("--dir")
-        .arg(dir.path())
-        .stdout(std::process::Stdio::null())
-        .spawn()
-        .unwrap();
+    /// Kills the server even when an assertion fails first.
+    struct Killed(std::process::Child);
+    impl Drop for Killed {
+        fn drop(&mut self) {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
+    }
+    let _server = Killed(
+        std::process::Command::new("redis-server")
+            .args(["--port", "0", "--bind", "127.0.0.1", "--save", "", "--tls-auth-clients", "no"])
+            .args(["--tls-port", &port.to_string()])
+            .args([
+                "--tls-cert-file",
+                "cert.pem",
+                "--tls-key-file",
+                "key.pem",
+                "--tls-ca-cert-file",
+                "ca.pem",
+            ])
+            .current_dir(d)
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
     let up = eventually(Duration::from_secs(10), || async move {
         tokio::net::TcpStream::connect(("127.0.0.1", port)).await.is_ok()
     })
     .await;
     assert!(up, "redis-server with TLS did not start");
-    // The test's certificate is self-signed: verification off (`#insecure`); a real
-    // deployment names a certificate its CA signed.
-    let url = format!("rediss://127.0.0.1:{port}/#insecure");
+    let url = format!("rediss://127.0.0.1:{port}");
+    let ca = d.join("ca.pem").display().to_string();
     let s = TestServer::start_with(
         POLICY,
-        &[("LIMITER__STORE__KIND", "redis"), ("LIMITER__STORE__REDIS__URL", &url)],
+        &[
+            ("LIMITER__STORE__KIND", "redis"),
+            ("LIMITER__STORE__REDIS__URL", &url),
+            ("LIMITER__STORE__REDIS__TLS_CA_FILE", &ca),
+            ("LIMITER__STORE__REDIS__COMMAND_TIMEOUT_MS", "2000"),
+        ],
     )
     .await;
     let mut c = s.native().await;
@@ -268,6 +330,14 @@ async fn tls_to_redis() {
         assert_eq!((r.allowed, r.remaining), (true, left), "{r:?}");
     }
     s.stop().await;
-    let _ = child.kill();
-    let _ = child.wait();
+    // Without the CA, the server does not trust Redis: the failure policy applies.
+    let s = TestServer::start_with(
+        POLICY,
+        &[("LIMITER__STORE__KIND", "redis"), ("LIMITER__STORE__REDIS__URL", &url)],
+    )
+    .await;
+    let mut c = s.native().await;
+    let r = c.should_allow(ask("t", "/closed")).await.unwrap().into_inner();
+    assert_eq!(r.reason(), pb::Reason::LimiterUnavailable);
+    s.stop().await;
 }

@@ -22,6 +22,7 @@ fn settings(url: String, prefix: &str) -> RedisSettings {
         url,
         cluster_nodes: Vec::new(),
         connections: 1,
+        tls_ca_file: None,
         pool: limiter_server::store::redis::PoolKind::Multiplexed,
         connect_timeout: Duration::from_secs(2),
         command_timeout: Duration::from_secs(2),

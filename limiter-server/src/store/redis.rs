@@ -81,6 +81,9 @@ pub struct RedisSettings {
     pub connections: usize,
     /// How calls share them.
     pub pool: PoolKind,
+    /// A PEM file of the CA certificates that sign Redis's TLS certificate (`rediss://`),
+    /// in place of the system's trust store.
+    pub tls_ca_file: Option<std::path::PathBuf>,
     /// Deadline to connect.
     pub connect_timeout: Duration,
     /// Deadline of one call (the script and its reply).
@@ -260,9 +263,27 @@ impl RedisStore {
         settings: RedisSettings,
         clock: std::sync::Arc<dyn limiter_core::clock::Clock>,
     ) -> Result<Self, String> {
+        // TLS (`rediss://`) runs on rustls with the `ring` provider; installed once for
+        // the process (a second install, or one by an embedding program, is fine).
+        let _ = rustls::crypto::ring::default_provider().install_default();
+        let certs = match &settings.tls_ca_file {
+            Some(path) => Some(redis::TlsCertificates {
+                client_tls: None,
+                root_cert: Some(std::fs::read(path).map_err(|e| {
+                    format!("store.redis.tls_ca_file: cannot read {}: {e}", path.display())
+                })?),
+            }),
+            None => None,
+        };
+        let open = |url: &str| {
+            match &certs {
+                Some(c) => redis::Client::build_with_tls(url, c.clone()),
+                None => redis::Client::open(url),
+            }
+            .map_err(|e| format!("store.redis.url: {e}"))
+        };
         let conn = if settings.cluster_nodes.is_empty() && settings.pool == PoolKind::Bb8 {
-            let client = redis::Client::open(settings.url.as_str())
-                .map_err(|e| format!("store.redis.url: {e}"))?;
+            let client = open(&settings.url)?;
             let pool = bb8::Pool::builder()
                 .max_size(u32::try_from(settings.connections.max(1)).unwrap_or(64))
                 .connection_timeout(settings.connect_timeout)
@@ -270,8 +291,7 @@ impl RedisStore {
                 .build_unchecked(client);
             Conn::Pool(pool)
         } else if settings.cluster_nodes.is_empty() {
-            let client = redis::Client::open(settings.url.as_str())
-                .map_err(|e| format!("store.redis.url: {e}"))?;
+            let client = open(&settings.url)?;
             let config = ConnectionManagerConfig::new()
                 .set_connection_timeout(Some(settings.connect_timeout))
                 .set_response_timeout(Some(settings.command_timeout))
@@ -283,7 +303,12 @@ impl RedisStore {
                 .map_err(|e| format!("store.redis.url: {e}"))?;
             Conn::Single(managers)
         } else {
-            let client = redis::cluster::ClusterClient::builder(settings.cluster_nodes.clone())
+            let mut builder =
+                redis::cluster::ClusterClient::builder(settings.cluster_nodes.clone());
+            if let Some(c) = certs {
+                builder = builder.certs(c);
+            }
+            let client = builder
                 .connection_timeout(settings.connect_timeout)
                 .response_timeout(settings.command_timeout)
                 .retries(1)
@@ -717,5 +742,43 @@ impl RedisStore {
             least = least.min(u64::try_from(r.first().copied().unwrap_or(0)).unwrap_or(0));
         }
         Ok(least)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use limiter_core::policy::from_yaml;
+
+    use super::*;
+
+    #[test]
+    fn the_example_policy_fits_and_limits_out_of_range_are_named() {
+        let text = std::fs::read_to_string(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../examples/policies.yaml"
+        ))
+        .unwrap();
+        check_policy(&from_yaml(&text, "policies.yaml").unwrap()).unwrap();
+        let policy = from_yaml(
+            "version: 1\ntenants:\n  big:\n    limit: { algorithm: token_bucket, rate: 7/s, burst: 1000000000000 }\n  ok:\n    limit: { algorithm: sliding_counter, limit: 1000000, window: 1d }\n",
+            "p.yaml",
+        )
+        .unwrap();
+        let e = check_policy(&policy).unwrap_err();
+        assert!(e.starts_with("tenants.big.limit: token bucket"), "{e}");
+        assert!(!e.contains("tenants.ok"), "{e}");
+    }
+
+    #[test]
+    fn keys_are_length_prefixed_and_tagged_by_tenant() {
+        let k = |scope, t, r, key| {
+            let (tag, name) = tag(&LimitKeyRef::new(scope, t, r, key));
+            format!("{}.{name}", tag as char)
+        };
+        assert_eq!(k(Scope::Key, "acme", "/r", "k"), "t.acme");
+        assert_eq!(k(Scope::TenantRoute, "acme", "/r", ""), "t.acme");
+        assert_eq!(k(Scope::Route, "acme", "/r", ""), "r./r");
+        assert_eq!(k(Scope::Global, "acme", "/r", ""), "g.");
+        assert_eq!(gcd(7_000, 1_000_000_000), 1_000);
     }
 }

@@ -28,10 +28,13 @@ local function cdiv(x, y)
   return q
 end
 
--- floor(a * b / c) exactly, even when a * b is past 2^53 (c below 2^52).
-local function muldiv(a, b, c)
-  if a == 0 or b == 0 then return 0 end
-  if a * b < TWO52 then return idiv(a * b, c) end
+-- a * b = q * c + r (0 <= r < c), exactly, even when a * b is past 2^53 (c below
+-- 2^52): long multiplication bit by bit, the remainder kept below c.
+local function muldivmod(a, b, c)
+  if a * b < TWO52 then
+    local q = idiv(a * b, c)
+    return q, a * b - q * c
+  end
   local qa = idiv(a, c)
   local ra = a - qa * c
   local bits, x = {}, b
@@ -49,33 +52,17 @@ local function muldiv(a, b, c)
       if r >= c then q, r = q + 1, r - c end
     end
   end
-  return q
+  return q, r
+end
+
+-- floor(a * b / c) exactly.
+local function muldiv(a, b, c)
+  return (muldivmod(a, b, c))
 end
 
 -- ceil(a * b / c) exactly.
 local function cmuldiv(a, b, c)
-  local q = muldiv(a, b, c)
-  if a * b < TWO52 then
-    if q * c < a * b then q = q + 1 end
-    return q
-  end
-  -- Large product: the remainder is a*b mod c, computed like muldiv's r.
-  local ra = a - idiv(a, c) * c
-  local bits, x = {}, b
-  while x > 0 do
-    local h = idiv(x, 2)
-    bits[#bits + 1] = x - 2 * h
-    x = h
-  end
-  local r = 0
-  for i = #bits, 1, -1 do
-    r = r * 2
-    if r >= c then r = r - c end
-    if bits[i] == 1 then
-      r = r + ra
-      if r >= c then r = r - c end
-    end
-  end
+  local q, r = muldivmod(a, b, c)
   if r > 0 then q = q + 1 end
   return q
 end

@@ -28,7 +28,7 @@ use limiter_proto::limiter::v1 as pb;
 use limiter_proto::limiter::v1::rate_limiter_client::RateLimiterClient;
 use limiter_server::Server;
 use limiter_server::config::ServerConfig;
-use redis_proc::{RedisServer, command};
+use redis_proc::{RedisServer, command, script_calls};
 
 const POLICY: &str = r"
 version: 1
@@ -41,14 +41,6 @@ const CALLERS: u64 = 64;
 const KEYS: u64 = 1_000;
 const PHASE: Duration = Duration::from_secs(4);
 const WARM: Duration = Duration::from_secs(2);
-
-fn script_calls(port: u16) -> u64 {
-    let info = command(port, "INFO commandstats").unwrap_or_default();
-    info.lines()
-        .filter(|l| l.starts_with("cmdstat_evalsha:") || l.starts_with("cmdstat_eval:"))
-        .filter_map(|l| l.split("calls=").nth(1)?.split(',').next()?.parse::<u64>().ok())
-        .sum()
-}
 
 /// `redis-benchmark`'s requests per second for one command.
 fn redis_benchmark(port: u16, args: &[&str]) -> f64 {

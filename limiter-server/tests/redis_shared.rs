@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 
-use common::redis::{RedisServer, command};
+use common::redis::{RedisServer, script_calls};
 use common::{TestServer, ask, eventually};
 use limiter_proto::limiter::v1 as pb;
 use limiter_proto::limiter::v1::rate_limiter_client::RateLimiterClient;
@@ -23,15 +23,6 @@ tenants:
   tb:
     limit: { algorithm: token_bucket, rate: 400/s, burst: 400 }
 ";
-
-/// Redis script calls so far (`EVALSHA`, and `EVAL` after a `NOSCRIPT`).
-fn script_calls(port: u16) -> u64 {
-    let info = command(port, "INFO commandstats").unwrap();
-    info.lines()
-        .filter(|l| l.starts_with("cmdstat_evalsha:") || l.starts_with("cmdstat_eval:"))
-        .filter_map(|l| l.split("calls=").nth(1)?.split(',').next()?.parse::<u64>().ok())
-        .sum()
-}
 
 /// Sends `tenant`'s requests until `stop_after` rejections in a row or `period` ends.
 async fn hammer(

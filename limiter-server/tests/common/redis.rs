@@ -25,6 +25,16 @@ pub fn command(port: u16, cmd: &str) -> Option<String> {
     Some(String::from_utf8_lossy(&buf[..n]).into_owned())
 }
 
+/// Script calls a Redis has answered so far (`EVALSHA`, and `EVAL` after a
+/// `NOSCRIPT`), from its own `INFO commandstats`.
+pub fn script_calls(port: u16) -> u64 {
+    let info = command(port, "INFO commandstats").unwrap_or_default();
+    info.lines()
+        .filter(|l| l.starts_with("cmdstat_evalsha:") || l.starts_with("cmdstat_eval:"))
+        .filter_map(|l| l.split("calls=").nth(1)?.split(',').next()?.parse::<u64>().ok())
+        .sum()
+}
+
 /// One `redis-server`.
 pub struct RedisServer {
     pub port: u16,

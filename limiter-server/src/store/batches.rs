@@ -94,7 +94,12 @@ impl Batches {
         local: impl Fn() -> Nanos,
     ) -> Result<(Verdict, Charged), ServerError> {
         let cell = self.map.lock().entry(chain_id(chain)).or_default().clone();
-        let mut b = cell.lock().await;
+        // Behind a renewal in flight for at most one call's deadline: a request never
+        // waits for a queue of calls to a slow Redis (the failure policy answers it).
+        let deadline = store.settings().command_timeout;
+        let Ok(mut b) = tokio::time::timeout(deadline, cell.lock()).await else {
+            return Err(ServerError::Unavailable("a batch renewal is still in flight".into()));
+        };
         if b.origin.is_none() {
             b.origin = Some((req.tenant.into(), req.route.into(), req.key.map(Into::into)));
         }

@@ -210,6 +210,7 @@ impl Server {
                         () = tokio::time::sleep(LEASE_EXPIRY_EVERY) => {
                             let now = owner.clock().now();
                             owner.leases().expire(now);
+                            owner.publish_fallback(now);
                             let policy = owner.policies().current();
                             owner.store().return_batches(&policy.policy, now, false).await;
                         }

@@ -116,7 +116,10 @@ fn describe() {
     describe_counter!(STORE_ERRORS, "Store calls that failed, by kind.");
     describe_counter!(STORE_CALLS, "Calls to the Redis store, by operation.");
     describe_gauge!(STORE_BREAKER_OPEN, "1 while the store's circuit breaker is open.");
-    describe_gauge!(FALLBACK_ROUTES, "Routes deciding by their failure policy.");
+    describe_gauge!(
+        FALLBACK_ROUTES,
+        "Routes that decided by their failure policy (the store unreachable) in the last 5 s."
+    );
     describe_gauge!(RING_MEMBERS, "Members of the ownership ring.");
     describe_gauge!(RING_EPOCH, "Version of the ownership ring.");
     describe_gauge!(MEMBERSHIP_AGE, Unit::Seconds, "Age of the membership view.");

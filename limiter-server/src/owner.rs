@@ -21,6 +21,9 @@ use crate::metrics::{self as m, Api};
 use crate::reload::PolicyHolder;
 use crate::store::{Charged, Store};
 
+/// A route counts as in fallback this long after its last failure-policy decision.
+pub const FALLBACK_WINDOW: Nanos = 5 * NANOS_PER_SEC;
+
 /// How long a check-now-charge-later ticket may be settled with a refund.
 pub const TICKET_TTL: Nanos = 3_600 * NANOS_PER_SEC;
 
@@ -134,6 +137,9 @@ pub struct Owner {
     leases: Leases,
     heavy: HeavyHitters,
     ceilings: EmergencyCeilings,
+    /// Routes (as metric labels: the policy's, or `other`) last decided by their failure
+    /// policy, and when.
+    fallback: Mutex<HashMap<Box<str>, Nanos>>,
 }
 
 impl std::fmt::Debug for Owner {
@@ -167,6 +173,7 @@ impl Owner {
             leases: Leases::default(),
             heavy: HeavyHitters::default(),
             ceilings: EmergencyCeilings::default(),
+            fallback: Mutex::default(),
         }
     }
 
@@ -247,6 +254,8 @@ impl Owner {
                 // The store is away: the route's failure policy decides.
                 Err(ServerError::Unavailable(why)) => {
                     tracing::debug!(route = req.route, %why, "store unavailable: failure policy");
+                    let label = active.counters.route_label(req.route);
+                    self.fallback.lock().insert(label.into(), now);
                     let cost = if chain.dry_run { 0 } else { chain.cost };
                     let decision = self.ceilings.decide(
                         req.route,
@@ -360,6 +369,15 @@ impl Owner {
         let dropped = self.store.sweep(self.clock.now());
         tracing::trace!(dropped, "swept idle counters");
         self.sweep_stats();
+    }
+
+    /// Publishes how many routes decided by their failure policy in the last
+    /// [`FALLBACK_WINDOW`].
+    #[allow(clippy::cast_precision_loss)] // gauge values
+    pub fn publish_fallback(&self, now: Nanos) {
+        let mut routes = self.fallback.lock();
+        routes.retain(|_, at| now.saturating_sub(*at) < FALLBACK_WINDOW);
+        metrics::gauge!(m::FALLBACK_ROUTES).set(routes.len() as f64);
     }
 
     /// Publishes the store's gauges and eviction counters.

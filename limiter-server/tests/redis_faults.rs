@@ -143,6 +143,8 @@ async fn redis_away_and_back_under_load() {
         assert_eq!(s.get("/healthz").await.0, 200);
         let metrics = s.get("/metrics").await.1;
         assert!(metrics.contains("limiter_store_breaker_open 1"), "{phase}");
+        // /open, /closed and /batched decided by their failure policies.
+        assert!(metrics.contains("limiter_fallback_routes 3"), "{phase}");
 
         if stop {
             redis.restart();

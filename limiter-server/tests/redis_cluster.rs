@@ -90,4 +90,33 @@ async fn tenants_across_slots_each_in_one_slot() {
             .collect::<Vec<_>>()
     );
     s.stop().await;
+
+    // A chain across groups: the route's group refuses first (outermost), the tenant's
+    // group would refuse too; the wait is the longest of both, as on one node.
+    let s = TestServer::start_with(
+        SPLIT,
+        &[("LIMITER__STORE__KIND", "redis"), ("LIMITER__STORE__REDIS__CLUSTER_NODES", &urls)],
+    )
+    .await;
+    let mut c = s.native().await;
+    let first = c.should_allow(common::ask("solo", "/tight")).await.unwrap().into_inner();
+    assert!(first.allowed);
+    let r = c.should_allow(common::ask("solo", "/tight")).await.unwrap().into_inner();
+    assert_eq!((r.reason(), r.scope()), (pb::Reason::RouteLimit, pb::Scope::Route));
+    assert!(
+        r.retry_after.unwrap().seconds > 3_000,
+        "the tenant's two hours, not the route's ten seconds: {r:?}"
+    );
+    s.stop().await;
 }
+
+const SPLIT: &str = r"
+version: 1
+routes:
+  /tight:
+    limit: { algorithm: sliding_log, limit: 1, window: 10s }
+    lease: { mode: exact }
+tenants:
+  solo:
+    limit: { algorithm: sliding_log, limit: 1, window: 2h }
+";

@@ -481,18 +481,26 @@ impl RedisStore {
         chain: &Chain<'_>,
         group: (usize, usize),
         now: Nanos,
+        dry_run: bool,
     ) -> Result<Decided, ServerError> {
         let r = self
-            .call("decide", chain, group, now, [chain.cost, u64::from(chain.dry_run), 0, 0, 0, 0])
+            .call("decide", chain, group, now, [chain.cost, u64::from(dry_run), 0, 0, 0, 0])
             .await?;
         let get = |i: usize| r.get(i).copied().unwrap_or(0);
-        Ok(Decided {
+        let d = Decided {
             admitted: get(0) == 1,
-            level: usize::try_from(get(1)).unwrap_or(0),
+            level: usize::try_from(get(1)).unwrap_or(usize::MAX),
             value: u64::try_from(get(2)).unwrap_or(0),
             reset: ns(get(3)),
             at: ns(get(4)),
-        })
+        };
+        // A level of this call (or none, for an admission); anything else is not a
+        // reply of this script: refused, never trusted.
+        if r.len() != 5 || d.level > group.1 || (!d.admitted && d.level == 0) {
+            metrics::counter!(m::STORE_ERRORS, "kind" => "error").increment(1);
+            return Err(ServerError::Unavailable(format!("redis: malformed decide reply {r:?}")));
+        }
+        Ok(d)
     }
 
     /// Checks and charges a chain, all levels or none.
@@ -514,7 +522,7 @@ impl RedisStore {
         let mut tightest: Option<(usize, u64, Nanos)> = None;
         let mut charged: Vec<((usize, usize), Nanos)> = Vec::new();
         for &group in &groups {
-            let d = match self.decide_group(chain, group, now).await {
+            let d = match self.decide_group(chain, group, now, chain.dry_run).await {
                 Ok(d) => d,
                 Err(e) => {
                     self.give_back(chain, now, &charged).await;
@@ -524,12 +532,25 @@ impl RedisStore {
             let level = group.0 + d.level.saturating_sub(1);
             if !d.admitted {
                 self.give_back(chain, now, &charged).await;
-                let l = chain.levels().nth(level).expect("the script names a level of the call");
+                // The outermost refusing level is this group's (the earlier ones
+                // admitted); the wait is the longest over every refusing level, so the
+                // later groups are asked too, without charging.
+                let mut wait = d.value;
+                for &later in groups.iter().filter(|g| g.0 > group.0) {
+                    if let Ok(l) = self.decide_group(chain, later, now, true).await
+                        && !l.admitted
+                    {
+                        wait = wait.max(l.value);
+                    }
+                }
+                let Some(l) = chain.levels().nth(level) else {
+                    return Err(ServerError::Unavailable("redis named no level".into()));
+                };
                 let decision = Decision::Rejected {
                     reason: l.scope.reason(),
                     scope: l.scope,
                     limit: Some(*l.rule.limit),
-                    retry_after: d.value.saturating_mul(MICRO),
+                    retry_after: wait.saturating_mul(MICRO),
                 };
                 return Ok((Verdict { decision, shadow: chain.shadow }, at));
             }
@@ -546,7 +567,9 @@ impl RedisStore {
         let decision = match tightest {
             None => Decision::Allowed { remaining: u64::MAX, reset_after: 0, binding: None },
             Some((i, remaining, reset_after)) => {
-                let l = chain.levels().nth(i).expect("the script names a level of the call");
+                let Some(l) = chain.levels().nth(i) else {
+                    return Err(ServerError::Unavailable("redis named no level".into()));
+                };
                 Decision::Allowed {
                     remaining,
                     reset_after,

@@ -56,6 +56,24 @@ pub struct LevelView {
     pub state: Option<LimitState>,
 }
 
+/// The verdict of a chain no counter decides (any store gives it without looking):
+/// an unknown tenant the policy rejects, or no level at all. `None` when counters decide.
+pub fn without_counters(chain: &Chain<'_>) -> Option<Verdict> {
+    let decision = if chain.unknown_tenant {
+        Decision::Rejected {
+            reason: Reason::UnknownTenant,
+            scope: Scope::Tenant,
+            limit: None,
+            retry_after: 0,
+        }
+    } else if chain.keys().is_empty() {
+        Decision::Allowed { remaining: u64::MAX, reset_after: 0, binding: None }
+    } else {
+        return None;
+    };
+    Some(Verdict { decision, shadow: chain.shadow })
+}
+
 /// Evaluates chains against a table of states.
 ///
 /// # Examples
@@ -95,17 +113,10 @@ impl Limiter {
 
     /// Checks a request against every level and charges all of them, or none.
     pub fn decide(&self, chain: &Chain<'_>, now: Nanos) -> Verdict {
-        let decision = if chain.unknown_tenant {
-            Decision::Rejected {
-                reason: Reason::UnknownTenant,
-                scope: Scope::Tenant,
-                limit: None,
-                retry_after: 0,
-            }
-        } else {
-            self.decide_levels(chain, now)
-        };
-        Verdict { decision, shadow: chain.shadow }
+        without_counters(chain).unwrap_or_else(|| Verdict {
+            decision: self.decide_levels(chain, now),
+            shadow: chain.shadow,
+        })
     }
 
     fn decide_levels(&self, chain: &Chain<'_>, now: Nanos) -> Decision {

@@ -14,22 +14,19 @@
 //! - One renewal in flight per chain: requests of the same chain queue behind it.
 
 use std::collections::HashMap;
-use std::hash::{BuildHasher, BuildHasherDefault, DefaultHasher};
+use std::hash::{BuildHasher, Hash, Hasher, RandomState};
 use std::sync::Arc;
 
 use limiter_core::clock::{NANOS_PER_SEC, Nanos};
 use limiter_core::decision::{Binding, Decision};
+use limiter_core::key::LimitKey;
 use limiter_core::policy::{Chain, NameBounds, Policy, Request};
-use limiter_core::{Limit, Scope, Verdict};
+use limiter_core::{Limit, Verdict};
 use parking_lot::Mutex;
 
 use super::Charged;
 use super::redis::RedisStore;
 use crate::error::ServerError;
-
-/// A chain's identity: the names of its counters and the shape of its limits (a
-/// reload that changes a limit starts new batches).
-type ChainId = (Box<str>, Box<str>, Box<str>, u64);
 
 /// A request that resolves to the chain (to give a batch back after a while).
 type Origin = (Box<str>, Box<str>, Option<Box<str>>);
@@ -45,7 +42,12 @@ struct Denied {
 
 #[derive(Debug, Default)]
 struct Batch {
+    /// The chain's counters and limits (a reload that changes a limit is another
+    /// chain, with batches of its own).
+    levels: Vec<(LimitKey, Limit)>,
     origin: Option<Origin>,
+    /// Dropped from the map: a caller that found it just before must look again.
+    retired: bool,
     denied: Option<Denied>,
     units: u64,
     granted_at: Nanos,
@@ -62,24 +64,36 @@ struct Batch {
     used_at: Nanos,
 }
 
-/// The batches this server holds.
+type Cell = Arc<tokio::sync::Mutex<Batch>>;
+
+/// The batches this server holds, filed by a fingerprint of their chain (its
+/// counters and limits): found without allocating, checked against the chain itself.
 #[derive(Debug, Default)]
 pub(crate) struct Batches {
-    map: Mutex<HashMap<ChainId, Arc<tokio::sync::Mutex<Batch>>>>,
+    map: Mutex<HashMap<u64, Cell>>,
+    hasher: RandomState,
 }
 
-fn chain_id(chain: &Chain<'_>) -> ChainId {
-    let mut shape: Vec<(Scope, Limit)> = Vec::with_capacity(chain.keys().len());
-    shape.extend(chain.levels().map(|l| (l.scope, *l.rule.limit)));
-    let hash = BuildHasherDefault::<DefaultHasher>::default().hash_one(&shape);
-    let request = chain.levels().map(|l| l.key).fold(("", "", ""), |acc, key| {
-        (
-            if key.tenant.is_empty() { acc.0 } else { key.tenant },
-            if key.route.is_empty() { acc.1 } else { key.route },
-            if key.key.is_empty() { acc.2 } else { key.key },
-        )
-    });
-    (request.0.into(), request.1.into(), request.2.into(), hash)
+impl Batch {
+    /// Whether this batch is `chain`'s.
+    fn is_for(&self, chain: &Chain<'_>) -> bool {
+        self.levels.len() == chain.keys().len()
+            && chain
+                .levels()
+                .zip(&self.levels)
+                .all(|(l, (key, limit))| l.key.matches(key) && *l.rule.limit == *limit)
+    }
+}
+
+impl Batches {
+    fn fingerprint(&self, chain: &Chain<'_>) -> u64 {
+        let mut h = self.hasher.build_hasher();
+        for l in chain.levels() {
+            l.key.hash(&mut h);
+            l.rule.limit.hash(&mut h);
+        }
+        h.finish()
+    }
 }
 
 impl Batches {
@@ -93,16 +107,29 @@ impl Batches {
         now: Nanos,
         local: impl Fn() -> Nanos,
     ) -> Result<(Verdict, Charged), ServerError> {
-        let cell = self.map.lock().entry(chain_id(chain)).or_default().clone();
+        let fingerprint = self.fingerprint(chain);
         // Behind a renewal in flight for at most one call's deadline: a request never
         // waits for a queue of calls to a slow Redis (the failure policy answers it).
         let deadline = store.settings().command_timeout;
-        let Ok(mut b) = tokio::time::timeout(deadline, cell.lock()).await else {
-            return Err(ServerError::Unavailable("a batch renewal is still in flight".into()));
+        let mut b = loop {
+            let cell = self.map.lock().entry(fingerprint).or_default().clone();
+            let Ok(mut b) = tokio::time::timeout(deadline, cell.lock_owned()).await else {
+                return Err(ServerError::Unavailable("a batch renewal is still in flight".into()));
+            };
+            if b.retired {
+                continue;
+            }
+            if b.levels.is_empty() {
+                b.levels = chain.levels().map(|l| (l.key.to_owned_key(), *l.rule.limit)).collect();
+                b.origin = Some((req.tenant.into(), req.route.into(), req.key.map(Into::into)));
+            }
+            if !b.is_for(chain) {
+                // Another chain with the same fingerprint: this one is decided exactly.
+                drop(b);
+                return store.decide(chain, now).await;
+            }
+            break b;
         };
-        if b.origin.is_none() {
-            b.origin = Some((req.tenant.into(), req.route.into(), req.key.map(Into::into)));
-        }
         let cost = chain.cost;
         let t = local();
         b.used_at = t;
@@ -159,7 +186,9 @@ impl Batches {
         }
         let margin = (g.hold / 10).max(1_000_000).min(g.hold);
         *b = Batch {
+            levels: std::mem::take(&mut b.levels),
             origin: b.origin.take(),
+            retired: false,
             denied: None,
             units: g.units - cost,
             granted_at: g.granted_at,
@@ -187,9 +216,9 @@ impl Batches {
         local: Nanos,
         all: bool,
     ) {
-        let cells: Vec<(ChainId, Arc<tokio::sync::Mutex<Batch>>)> =
-            self.map.lock().iter().map(|(k, v)| (k.clone(), v.clone())).collect();
-        for (id, cell) in cells {
+        let cells: Vec<(u64, Cell)> =
+            self.map.lock().iter().map(|(k, v)| (*k, v.clone())).collect();
+        for (fingerprint, cell) in cells {
             let Ok(mut b) = cell.try_lock() else { continue };
             let idle = local.saturating_sub(b.used_at) >= b.hold / 2;
             if !(all || idle) {
@@ -203,16 +232,18 @@ impl Batches {
                 // A chain the policy no longer resolves the same way keeps its units
                 // charged until they expire (under-admission, never over).
                 if let Ok(chain) = policy.resolve(&req, &unbounded)
-                    && chain_id(&chain) == id
+                    && b.is_for(&chain)
                     && store.refund_grant(&chain, now, b.granted_at, b.hold, b.units).await.is_err()
                 {
                     tracing::debug!("a batch's units could not be returned: Redis is away");
                 }
                 b.units = 0;
             }
-            b.until = 0;
-            drop(b);
-            self.map.lock().remove(&id);
+            b.retired = true;
+            let mut map = self.map.lock();
+            if map.get(&fingerprint).is_some_and(|c| Arc::ptr_eq(c, &cell)) {
+                map.remove(&fingerprint);
+            }
         }
     }
 

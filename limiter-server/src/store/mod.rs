@@ -93,12 +93,13 @@ impl Store {
         match self {
             Self::Memory(l) => Ok((l.decide(chain, now), Charged { at: now, hold: 0 })),
             Self::Redis(r) => {
+                if let Some(verdict) = limiter_core::hierarchy::without_counters(chain) {
+                    return Ok((verdict, Charged { at: now, hold: 0 }));
+                }
                 let batched = r.store.settings().batches
                     && !chain.dry_run
                     && !chain.route.lease.exact
-                    && !chain.unknown_tenant
-                    && chain.cost > 0
-                    && !chain.keys().is_empty();
+                    && chain.cost > 0;
                 if batched {
                     r.batches.decide(&r.store, req, chain, now, || r.clock.now()).await
                 } else {

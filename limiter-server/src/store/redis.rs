@@ -364,13 +364,10 @@ impl RedisStore {
             let _ = write!(key, ":{}.{part}", part.len());
         }
         let _ = write!(key, ":{kind}.{}.{}.{}", p[0], p[1], p[2]);
-        if kind == "sl" {
-            out.push(format!("{key}:log"));
-            // The hash first, then its log.
-            out.insert(out.len() - 1, key);
-        } else {
-            out.push(key);
-        }
+        let log = (kind == "sl").then(|| format!("{key}:log"));
+        // A sliding log's hash first, then its log.
+        out.push(key);
+        out.extend(log);
         Ok((kind, p))
     }
 
@@ -514,9 +511,8 @@ impl RedisStore {
         now: Nanos,
     ) -> Result<(Verdict, Charged), ServerError> {
         let mut at = Charged { at: now, hold: 0 };
-        if chain.unknown_tenant || chain.keys().is_empty() {
-            // Nothing to count: the same answer the memory store gives.
-            return Ok((limiter_core::Limiter::new(1).decide(chain, now), at));
+        if let Some(verdict) = limiter_core::hierarchy::without_counters(chain) {
+            return Ok((verdict, at));
         }
         let groups = self.groups(chain);
         let mut tightest: Option<(usize, u64, Nanos)> = None;
@@ -697,8 +693,10 @@ impl RedisStore {
             if g.tight > 0 && g.left < result.left {
                 (result.left, result.tight, result.reset) = (g.left, group.0 + g.tight, g.reset);
             }
-            if g.units < units || result.binding == 0 && g.binding > 0 {
-                result.binding = if g.binding > 0 { group.0 + g.binding } else { result.binding };
+            // Each group is asked for what the earlier ones granted: a group that
+            // grants less names the new binding level.
+            if g.binding > 0 {
+                result.binding = group.0 + g.binding;
             }
             units = units.min(g.units);
             result.granted_at = g.granted_at;

@@ -136,14 +136,4 @@ macro_rules! decision_tests {
     };
 }
 
-mod memory {
-    use super::*;
-    const BACKEND: Backend = Backend::Memory;
-    decision_tests!();
-}
-
-mod redis {
-    use super::*;
-    const BACKEND: Backend = Backend::Redis;
-    decision_tests!();
-}
+on_each_store!(decision_tests);

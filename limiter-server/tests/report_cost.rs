@@ -88,14 +88,4 @@ macro_rules! store_tests {
     };
 }
 
-mod memory {
-    use super::*;
-    const BACKEND: Backend = Backend::Memory;
-    store_tests!();
-}
-
-mod redis {
-    use super::*;
-    const BACKEND: Backend = Backend::Redis;
-    store_tests!();
-}
+on_each_store!(store_tests);

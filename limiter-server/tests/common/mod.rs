@@ -26,6 +26,25 @@ pub struct TestServer {
     pub redis: Option<redis::RedisServer>,
 }
 
+/// Runs a test file's tests once per store: `$tests!()` expands them, in a module
+/// `memory` and a module `redis` where `BACKEND` names the store.
+#[macro_export]
+macro_rules! on_each_store {
+    ($tests:ident) => {
+        mod memory {
+            use super::*;
+            const BACKEND: Backend = Backend::Memory;
+            $tests!();
+        }
+
+        mod redis {
+            use super::*;
+            const BACKEND: Backend = Backend::Redis;
+            $tests!();
+        }
+    };
+}
+
 /// The store a test server runs on.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Backend {

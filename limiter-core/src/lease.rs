@@ -81,11 +81,19 @@ impl<K> Default for LeaseBook<K> {
     }
 }
 
+impl<K> LeaseBook<K> {
+    /// An empty book whose ids start at `first` (nodes draw it at random, so ids
+    /// from different owners do not collide when leases move between them).
+    pub fn starting_at(first: u64) -> Self {
+        Self { next_id: first.max(1), open: HashMap::new(), totals: LeaseTotals::default() }
+    }
+}
+
 impl<K: Clone> LeaseBook<K> {
     /// Records a grant (already debited) and returns its id.
     pub fn open(&mut self, record: LeaseRecord<K>) -> u64 {
         let id = self.next_id;
-        self.next_id += 1;
+        self.next_id = self.next_id.checked_add(1).unwrap_or(1);
         self.totals.granted += record.units;
         self.totals.outstanding += record.units;
         self.totals.open += 1;

@@ -57,7 +57,7 @@ impl AlgorithmKind {
 
 /// Per-key state of a [`Limit`]: 32 bytes inline (a sliding log's entries live
 /// behind a box, so the common states stay small).
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub enum LimitState {
     /// Nothing charged yet.
     #[default]

@@ -165,6 +165,36 @@ impl StateTable {
         dropped
     }
 
+    /// Removes and returns every entry whose key `take` accepts (a handoff of some
+    /// tenants' counters to another node).
+    pub fn take_where(&self, take: impl Fn(&LimitKey) -> bool) -> Vec<Slot> {
+        let mut out = Vec::new();
+        for shard in &self.shards {
+            let mut map = shard.0.lock();
+            let before = map.len();
+            map.retain(|s| {
+                if take(&s.key) {
+                    out.push(s.clone());
+                    false
+                } else {
+                    true
+                }
+            });
+            self.keys.fetch_sub((before - map.len()) as u64, Ordering::Relaxed);
+        }
+        out
+    }
+
+    /// Stores `state` for `key` under `limit`, replacing what was there (a handoff
+    /// received from another node).
+    pub fn put(&self, key: LimitKeyRef<'_>, limit: &Arc<Limit>, state: LimitState, now: Nanos) {
+        let keys = [key];
+        let mut locked = self.lock(&keys);
+        let slot = locked.slot_mut(0, limit, now);
+        slot.limit = Arc::clone(limit);
+        slot.state = state;
+    }
+
     /// Removes every key; returns how many there were.
     pub fn clear(&self) -> usize {
         let mut n = 0;

@@ -591,6 +591,7 @@ impl Inner {
             want,
             cost,
             demand_per_sec: demand,
+            level: 0,
         }
     }
 
@@ -599,7 +600,9 @@ impl Inner {
         self.stats[CALLS].fetch_add(1, Ordering::Relaxed);
         let n = items.len();
         let mut client = self.client.clone();
-        let req = pb::LeaseRequest { agent_id: self.config.agent_id.clone(), items };
+        // Epoch 0: this agent sends everything to one node, which forwards each item
+        // to its tenant's owner.
+        let req = pb::LeaseRequest { agent_id: self.config.agent_id.clone(), items, epoch: 0 };
         let result = match tokio::time::timeout(self.config.rpc_timeout, client.lease(req)).await {
             Ok(Ok(r)) if r.get_ref().grants.len() == n => Ok(r.into_inner().grants),
             Ok(Ok(_)) => Err(tonic::Status::internal("owner answered the wrong number of grants")),

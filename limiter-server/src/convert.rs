@@ -16,6 +16,13 @@ pub fn duration(nanos: Nanos) -> prost_types::Duration {
     }
 }
 
+/// Nanoseconds of a wire duration (negative: 0).
+pub fn nanos_of(d: &prost_types::Duration) -> Nanos {
+    let secs = u64::try_from(d.seconds).unwrap_or(0);
+    let sub = u64::try_from(d.nanos).unwrap_or(0);
+    secs.saturating_mul(NANOS_PER_SEC).saturating_add(sub)
+}
+
 /// The core request of a wire request (an empty key is no key).
 pub fn request(r: &pb::ShouldAllowRequest) -> Request<'_> {
     Request {
@@ -49,6 +56,18 @@ pub fn scope(s: Scope) -> pb::Scope {
         Scope::Tenant => pb::Scope::Tenant,
         Scope::TenantRoute => pb::Scope::TenantRoute,
         Scope::Key => pb::Scope::Key,
+    }
+}
+
+/// The scope a wire value names (`None`: unset or unknown).
+pub fn scope_from(v: i32) -> Option<Scope> {
+    match pb::Scope::try_from(v).ok()? {
+        pb::Scope::Global => Some(Scope::Global),
+        pb::Scope::Route => Some(Scope::Route),
+        pb::Scope::Tenant => Some(Scope::Tenant),
+        pb::Scope::TenantRoute => Some(Scope::TenantRoute),
+        pb::Scope::Key => Some(Scope::Key),
+        pb::Scope::Unspecified => None,
     }
 }
 

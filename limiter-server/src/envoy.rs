@@ -215,12 +215,36 @@ fn answer(outcomes: &[Outcome]) -> rls::RateLimitResponse {
     }
 }
 
+impl EnvoyService {
+    /// Forwards `req` to `owner` (following one redirect): the answer, `None` when it
+    /// is this node's to decide after all, `Err` when no owner could be reached.
+    async fn forward(
+        &self,
+        cluster: &crate::cluster::Cluster,
+        owner: &crate::cluster::ring::Member,
+        req: &rls::RateLimitRequest,
+    ) -> Result<Option<rls::RateLimitResponse>, ()> {
+        use crate::cluster::peers::moved_to;
+        let peer = cluster.peer(owner).map_err(|_| ())?;
+        let to = match peer.should_rate_limit(req.clone(), 1).await {
+            Ok(answer) => return Ok(Some(answer)),
+            Err(s) => moved_to(&s).ok_or(())?,
+        };
+        if *to == *cluster.me().address {
+            return Ok(None);
+        }
+        let peer = cluster.peers().get(&to).map_err(|_| ())?;
+        peer.should_rate_limit(req.clone(), 2).await.map(Some).map_err(|_| ())
+    }
+}
+
 #[tonic::async_trait]
 impl RateLimitService for EnvoyService {
     async fn should_rate_limit(
         &self,
         request: tonic::Request<rls::RateLimitRequest>,
     ) -> Result<Response<rls::RateLimitResponse>, Status> {
+        let hop = crate::cluster::peers::hop_of(&request);
         let req = request.into_inner();
         let refuse = |e: ServerError| -> Status {
             Owner::count_invalid(Api::Envoy, &e);
@@ -257,17 +281,33 @@ impl RateLimitService for EnvoyService {
                 dry_run: m.dry_run,
             })
             .collect();
+        // One HTTP request: all its descriptors are decided together, by the owner of
+        // the first one's tenant (with `tenant_from: domain`, the only tenant).
+        let mut unreachable = false;
+        if let Some(cluster) = self.owner.cluster() {
+            match crate::routing::target(cluster, core[0].tenant, hop).await {
+                Some(Err(owner)) => return Err(crate::cluster::peers::moved(&owner.address)),
+                Some(Ok(owner)) => match self.forward(cluster, &owner, &req).await {
+                    Ok(Some(answer)) => return Ok(Response::new(answer)),
+                    Ok(None) => {}
+                    Err(()) => unreachable = true,
+                },
+                None => {}
+            }
+        }
         let outcomes =
-            self.owner.decide(Api::Envoy, &core, true, false).await.map_err(|(i, e)| {
-                Owner::count_invalid(Api::Envoy, &e);
-                match e {
-                    ServerError::Unavailable(_) => Status::from(e),
-                    e => Status::invalid_argument(format!(
-                        "descriptors[{i}]: {}",
-                        Status::from(e).message()
-                    )),
-                }
-            })?;
+            self.owner.decide_with(Api::Envoy, &core, true, false, unreachable).await.map_err(
+                |(i, e)| {
+                    Owner::count_invalid(Api::Envoy, &e);
+                    match e {
+                        ServerError::Unavailable(_) => Status::from(e),
+                        e => Status::invalid_argument(format!(
+                            "descriptors[{i}]: {}",
+                            Status::from(e).message()
+                        )),
+                    }
+                },
+            )?;
         Ok(Response::new(answer(&outcomes)))
     }
 }

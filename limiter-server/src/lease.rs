@@ -124,10 +124,17 @@ impl Owner {
                 cost: Some(item.cost.max(1)),
                 dry_run: false,
             };
-            let chain = active_policy
+            let full = active_policy
                 .policy
                 .resolve(&req, &self.limits().names)
                 .map_err(|e| (i, e.into()))?;
+            // A node leasing a slice of one root level, or an agent leasing a chain
+            // whose root levels other nodes own (paid from this node's slices).
+            let slice_of = convert::scope_from(item.level);
+            let (chain, slices) = match slice_of {
+                Some(level) => (full.retain_levels(|l| l.scope == level), Vec::new()),
+                None => self.split(&full),
+            };
             let now = self.clock().now();
             if item.lease_id != 0 {
                 let settled = leases.book.lock().settle(item.lease_id, holder, now, item.unspent);
@@ -136,11 +143,14 @@ impl Owner {
                         .refund_grant(&chain, now, record.granted_at, record.hold, refund)
                         .await
                         .map_err(|e| (i, e))?;
+                    if let Some(c) = self.cluster() {
+                        c.slices().returned(item.lease_id, refund, now);
+                    }
                 }
             }
             let mut grant = pb::LeaseGrant {
                 mode: pb::LeaseMode::Leased.into(),
-                on_failure: Some(failure_policy(chain.route.on_limiter_failure)),
+                on_failure: Some(failure_policy(full.route.on_limiter_failure)),
                 policy_version: active_policy.version,
                 ..Default::default()
             };
@@ -148,9 +158,18 @@ impl Owner {
                 grants.push(grant);
                 continue;
             }
+            if let (Some(_), Some(c)) = (slice_of, self.cluster())
+                && c.fenced(&item.tenant, now)
+            {
+                // A root key fenced after its owner's loss: nothing new is granted.
+                grant.decision = Some(self.refusal(&chain, now, 1_000_000));
+                grants.push(grant);
+                continue;
+            }
             let remaining = self.store().remaining(&chain, now).await.map_err(|e| (i, e))?;
             let need = item.cost.max(1);
-            if chain.route.lease.exact || remaining < need.saturating_mul(active) {
+            let exact = chain.route.lease.exact && slice_of.is_none();
+            if exact || (slice_of.is_none() && remaining < need.saturating_mul(active)) {
                 grant.mode = pb::LeaseMode::Direct.into();
                 if item.cost > 0 {
                     let outcome = self
@@ -162,8 +181,15 @@ impl Owner {
                 grants.push(grant);
                 continue;
             }
-            // How long the grant can be spent: the route's TTL, cut by window ends.
-            let hold = chain.grant_hold(now, chain.route.lease.ttl);
+            // How long the grant can be spent: the route's TTL (a slice's own TTL),
+            // cut by window ends.
+            let ttl = match (slice_of, self.cluster()) {
+                (Some(_), Some(c)) => {
+                    u64::try_from(c.config().slice_ttl.as_nanos()).unwrap_or(u64::MAX)
+                }
+                _ => chain.route.lease.ttl,
+            };
+            let mut hold = chain.grant_hold(now, ttl);
             // No more than the agent can spend in that time at its demand.
             let by_time =
                 u128::from(item.demand_per_sec) * u128::from(hold) / u128::from(NANOS_PER_SEC) + 1;
@@ -172,17 +198,36 @@ impl Owner {
             // Near the limit, every active agent may strand only a small share.
             let share =
                 if remaining < capacity / 5 { remaining / (2 * active) } else { remaining / 2 };
-            let size = item
+            let most =
+                if slice_of.is_some() { u64::MAX } else { chain.route.lease.max_batch.get() };
+            let mut size = item
                 .want
-                .clamp(1, chain.route.lease.max_batch.get())
+                .clamp(1, most)
                 .min(u64::try_from(by_time).unwrap_or(u64::MAX))
                 .min(share)
                 .max(item.cost);
-            let g = self
-                .store()
-                .grant(&chain, now, size, chain.route.lease.ttl)
-                .await
-                .map_err(|e| (i, e))?;
+            // Root levels owned elsewhere: the grant comes out of this node's slices
+            // and never outlives them.
+            let mut from_slices = 0;
+            if let (false, Some(c)) = (slices.is_empty(), self.cluster()) {
+                match self.take_slices(c, &full, &slices, size, item.cost, &item.tenant).await {
+                    Ok((units, until)) => {
+                        size = units;
+                        from_slices = units;
+                        hold = hold.min(until.saturating_sub(now));
+                    }
+                    Err(ServerError::Exhausted(_)) => size = 0,
+                    Err(e) => return Err((i, e)),
+                }
+            }
+            let g = if size == 0 {
+                limiter_core::Grant { units: 0, granted_at: now, hold, binding: None }
+            } else {
+                self.store().grant(&chain, now, size, hold).await.map_err(|e| (i, e))?
+            };
+            if let Some(c) = self.cluster() {
+                c.slices().give_back(&slices, from_slices - g.units.min(from_slices), now);
+            }
             if g.units < item.cost || g.units == 0 {
                 // Not enough to hold: give back any partial grant and decide the
                 // waiting request itself (charged if it fits), as in direct mode.
@@ -190,6 +235,14 @@ impl Owner {
                     .refund_grant(&chain, now, g.granted_at, g.hold, g.units)
                     .await
                     .map_err(|e| (i, e))?;
+                if let Some(c) = self.cluster() {
+                    c.slices().give_back(&slices, g.units, now);
+                }
+                if slice_of.is_some() {
+                    grant.decision = Some(self.refusal(&chain, now, 0));
+                    grants.push(grant);
+                    continue;
+                }
                 let probe = Request { dry_run: item.cost == 0, ..req };
                 let outcome = self
                     .decide(Api::Lease, &[probe], false, false)
@@ -208,11 +261,94 @@ impl Owner {
                 granted_at: g.granted_at,
                 hold: g.hold,
             });
+            if let (false, Some(c)) = (slices.is_empty(), self.cluster()) {
+                c.slices().funded(id, &slices);
+            }
             grant.lease_id = id;
             grant.units = g.units;
             grant.hold = Some(convert::duration(g.hold));
             grants.push(grant);
         }
         Ok(grants)
+    }
+
+    /// Takes up to `want` (at least `min`) units from the slices `keys`, refilling
+    /// them from their owners as needed: the units and the slices' end.
+    /// `Exhausted` when an owner refuses.
+    async fn take_slices(
+        &self,
+        cluster: &crate::cluster::Cluster,
+        chain: &limiter_core::policy::Chain<'_>,
+        keys: &[crate::cluster::slices::SliceKey],
+        want: u64,
+        min: u64,
+        tenant: &str,
+    ) -> Result<(u64, Nanos), ServerError> {
+        let remote = cluster.remote_roots(chain);
+        for _ in 0..3 {
+            let now = self.clock().now();
+            match cluster.slices().take_up_to(keys, want, min, now) {
+                Ok(got) => return Ok(got),
+                Err(crate::cluster::slices::Take::Short(key)) => {
+                    let Some((_, owner)) = remote.iter().find(|(k, _)| *k == key) else {
+                        return Err(ServerError::Exhausted("slice"));
+                    };
+                    cluster.refill(&key, owner, tenant, min.max(want)).await?;
+                }
+                Err(_) => return Err(ServerError::Exhausted("slice")),
+            }
+        }
+        Err(ServerError::Exhausted("slice"))
+    }
+
+    /// A refusal by `chain`'s levels as they stand (a dry run), for grants that found
+    /// nothing; `floor` is the least wait reported.
+    fn refusal(
+        &self,
+        chain: &limiter_core::policy::Chain<'_>,
+        now: Nanos,
+        floor: Nanos,
+    ) -> pb::ShouldAllowResponse {
+        let mut probe = *chain;
+        probe.dry_run = true;
+        let decision = match self.store().limiter() {
+            Some(l) => l.decide(&probe, now).decision,
+            None => limiter_core::Decision::Rejected {
+                reason: limiter_core::Reason::LimiterUnavailable,
+                scope: limiter_core::Scope::Global,
+                limit: None,
+                retry_after: floor,
+            },
+        };
+        let decision = match decision {
+            limiter_core::Decision::Rejected { reason, scope, limit, retry_after } => {
+                limiter_core::Decision::Rejected {
+                    reason,
+                    scope,
+                    limit,
+                    retry_after: retry_after.max(floor),
+                }
+            }
+            // The levels would admit one unit but not the asked cost: wait a little.
+            limiter_core::Decision::Allowed { binding, .. } => {
+                let level = chain.levels().next();
+                limiter_core::Decision::Rejected {
+                    reason: level.map_or(limiter_core::Reason::GlobalCeiling, |l| l.scope.reason()),
+                    scope: binding.map_or(limiter_core::Scope::Global, |b| b.scope),
+                    limit: level.map(|l| *l.rule.limit),
+                    retry_after: floor.max(1_000_000),
+                }
+            }
+        };
+        let outcome = crate::owner::Outcome {
+            verdict: limiter_core::Verdict { decision, shadow: false },
+            charged: 0,
+            limit_name: None,
+            policy_version: self.policies().current().version,
+            decided_at: now,
+            charged_at: crate::store::Charged { at: now, hold: 0 },
+            ticket: None,
+        };
+        convert::response(&outcome)
     }
 }

@@ -10,6 +10,7 @@
 
 pub mod admin;
 pub mod cli;
+pub mod cluster;
 pub mod config;
 pub mod convert;
 pub mod dashboard;
@@ -20,13 +21,14 @@ pub mod lease;
 pub mod metrics;
 pub mod owner;
 pub mod reload;
+pub mod routing;
 pub mod service;
 pub mod store;
 
 use std::future::Future;
 use std::sync::Arc;
 
-use limiter_core::clock::{Clock, MonotonicClock};
+use limiter_core::clock::{Clock, MonotonicClock, Nanos};
 use limiter_proto::envoy::service::ratelimit::v3::rate_limit_service_server::RateLimitServiceServer;
 use limiter_proto::limiter::v1::rate_limiter_server::RateLimiterServer;
 use tokio::net::TcpListener;
@@ -34,6 +36,7 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tonic::transport::server::TcpIncoming;
 
+use crate::cluster::Cluster;
 use crate::config::{ServerConfig, StoreKind};
 use crate::owner::Owner;
 use crate::reload::{LoadError, PolicyHolder};
@@ -42,6 +45,15 @@ use crate::store::redis::RedisStore;
 
 /// How often leases that reached their end are written off.
 const LEASE_EXPIRY_EVERY: std::time::Duration = std::time::Duration::from_millis(500);
+
+/// The longest lease TTL `policy` can issue (what a dead node's tenants are fenced
+/// for, at least).
+fn longest_lease_ttl(policy: &limiter_core::policy::Policy) -> Nanos {
+    policy.routes.values().map(|r| r.lease.ttl).fold(policy.lease.ttl, Nanos::max)
+}
+
+/// How often slices of root keys are looked at for renewal.
+const SLICE_RENEW_EVERY: std::time::Duration = std::time::Duration::from_millis(100);
 
 /// A configured server, not yet serving.
 #[derive(Debug)]
@@ -170,7 +182,12 @@ impl Server {
         };
         let policies =
             Arc::new(PolicyHolder::load_checked(&config.policy_file, clock.clone(), check)?);
-        let owner = Arc::new(Owner::new(policies, store, clock, config.limits));
+        let stateful = matches!(store, Store::Memory(_));
+        let longest_ttl = longest_lease_ttl(&policies.current().policy);
+        let cluster =
+            Arc::new(Cluster::new(config.cluster.clone(), stateful, clock.clone(), longest_ttl));
+        let owner =
+            Arc::new(Owner::new(policies, store, clock, config.limits).with_cluster(cluster));
         Ok(Self { config, owner })
     }
 
@@ -248,6 +265,19 @@ impl Server {
         let history = Arc::new(dashboard::History::default());
         tasks.spawn(dashboard::sample_loop(owner.clone(), history.clone(), cancel.child_token()));
         let members = vec![config.listen.to_string()];
+        if let Some(cluster) = owner.cluster().filter(|c| !c.is_single()).cloned() {
+            tasks.spawn(cluster::membership::run(owner.clone(), cancel.child_token()));
+            let cancel = cancel.child_token();
+            tasks.spawn(async move {
+                let mut tick = tokio::time::interval(SLICE_RENEW_EVERY);
+                loop {
+                    tokio::select! {
+                        () = cancel.cancelled() => return,
+                        _ = tick.tick() => cluster.renew_slices("-").await,
+                    }
+                }
+            });
+        }
         let admin = tokio::spawn(
             axum::serve(listeners.admin, admin::router(owner.clone(), history, members))
                 .with_graceful_shutdown(admin_stop.clone().cancelled_owned())
@@ -265,6 +295,11 @@ impl Server {
         shutdown.await;
         tracing::info!(drain_delay = ?config.drain_delay, "shutting down: readiness off, draining");
         owner.set_ready(false);
+        if let Some(cluster) = owner.cluster().filter(|c| !c.is_single()) {
+            // Hand every counter to its next owner, then redirect until the end.
+            cluster.drain(owner.store().limiter()).await;
+            cluster.return_slices().await;
+        }
         health.set_not_serving::<RateLimiterServer<service::NativeService>>().await;
         health.set_not_serving::<RateLimitServiceServer<envoy::EnvoyService>>().await;
         health.set_service_status("", tonic_health::ServingStatus::NotServing).await;

@@ -58,6 +58,23 @@ pub const RING_EPOCH: &str = "limiter_ring_epoch";
 pub const MEMBERSHIP_AGE: &str = "limiter_membership_view_age_seconds";
 /// 1 while the server is ready to serve (policy loaded, not draining).
 pub const READY: &str = "limiter_ready";
+/// Calls forwarded to a tenant's owner, by `api` and `outcome` (`answered`,
+/// `redirected`, `unreachable`).
+pub const FORWARDS: &str = "limiter_forwards_total";
+/// Counters handed to or received from other nodes in planned moves, by `direction`.
+pub const HANDOFF_COUNTERS: &str = "limiter_handoff_counters_total";
+/// Handoffs that could not be delivered.
+pub const HANDOFF_FAILURES: &str = "limiter_handoff_failures_total";
+/// Requests that stopped waiting for a handoff that did not arrive in time.
+pub const HANDOFF_TIMEOUTS: &str = "limiter_handoff_timeouts_total";
+/// Decisions made by the failure policy because the tenant is fenced after its old
+/// owner's loss.
+pub const FENCED_DECISIONS: &str = "limiter_fenced_decisions_total";
+/// Units of root keys (global ceiling, route-wide limits) this node holds in slices
+/// leased from their owners.
+pub const SLICE_UNITS: &str = "limiter_slice_units";
+/// Slice leases asked of root owners, by `outcome`.
+pub const SLICE_CALLS: &str = "limiter_slice_calls_total";
 
 /// Histogram buckets for decision latency: 5 µs to 1 s.
 const LATENCY_BUCKETS: &[f64] = &[
@@ -125,6 +142,13 @@ fn describe() {
     describe_gauge!(MEMBERSHIP_AGE, Unit::Seconds, "Age of the membership view.");
     describe_gauge!(LEASES_OPEN, "Leases now open.");
     describe_counter!(LEASE_UNITS, "Leased units by fate: granted, returned, spent, written off.");
+    describe_counter!(FORWARDS, "Calls forwarded to a tenant's owner, by api and outcome.");
+    describe_counter!(HANDOFF_COUNTERS, "Counters handed off in planned moves, by direction.");
+    describe_counter!(HANDOFF_FAILURES, "Handoffs that could not be delivered.");
+    describe_counter!(HANDOFF_TIMEOUTS, "Requests that stopped waiting for a late handoff.");
+    describe_counter!(FENCED_DECISIONS, "Failure-policy decisions for fenced tenants.");
+    describe_gauge!(SLICE_UNITS, "Units of root keys held in slices leased from their owners.");
+    describe_counter!(SLICE_CALLS, "Slice leases asked of root owners, by outcome.");
 }
 
 /// Which API a decision came through (a label).

@@ -13,6 +13,8 @@ use limiter_core::{Decision, Verdict};
 use metrics::Histogram;
 use parking_lot::Mutex;
 
+use crate::cluster::Cluster;
+use crate::cluster::slices::{SliceKey, Take};
 use crate::config::Limits;
 use crate::error::ServerError;
 use crate::heavy::HeavyHitters;
@@ -140,6 +142,8 @@ pub struct Owner {
     /// Routes (as metric labels: the policy's, or `other`) last decided by their failure
     /// policy, and when.
     fallback: Mutex<HashMap<Box<str>, Nanos>>,
+    /// The other nodes, when there are any.
+    cluster: Option<Arc<Cluster>>,
 }
 
 impl std::fmt::Debug for Owner {
@@ -174,7 +178,94 @@ impl Owner {
             heavy: HeavyHitters::default(),
             ceilings: EmergencyCeilings::default(),
             fallback: Mutex::default(),
+            cluster: None,
         }
+    }
+
+    /// With a cluster of nodes sharing the tenants.
+    #[must_use]
+    pub fn with_cluster(mut self, cluster: Arc<Cluster>) -> Self {
+        self.cluster = Some(cluster);
+        self
+    }
+
+    /// The cluster, when this node shares tenants with others.
+    pub fn cluster(&self) -> Option<&Arc<Cluster>> {
+        self.cluster.as_ref()
+    }
+
+    /// The part of `chain` this node's store decides, and the slices of root levels
+    /// other nodes own.
+    pub fn split<'a>(&self, chain: &Chain<'a>) -> (Chain<'a>, Vec<SliceKey>) {
+        match &self.cluster {
+            None => (*chain, Vec::new()),
+            Some(c) => {
+                let remote = c.remote_roots(chain);
+                let keys = remote.iter().map(|(k, _)| k.clone()).collect();
+                (Cluster::local_chain(chain, &remote), keys)
+            }
+        }
+    }
+
+    /// Decides one request on the store, with root levels owned elsewhere taken from
+    /// this node's slices of them.
+    async fn decide_one(
+        &self,
+        req: &Request<'_>,
+        chain: &Chain<'_>,
+        now: Nanos,
+    ) -> Result<(Verdict, Charged), ServerError> {
+        let Some(cluster) = &self.cluster else { return self.store.decide(req, chain, now).await };
+        if cluster.fenced(req.tenant, now) {
+            metrics::counter!(m::FENCED_DECISIONS).increment(1);
+            return Err(ServerError::Unavailable(
+                "the tenant is fenced after its owner's loss".into(),
+            ));
+        }
+        let remote = cluster.remote_roots(chain);
+        if remote.is_empty() {
+            return self.store.decide(req, chain, now).await;
+        }
+        if let Some(v) = limiter_core::hierarchy::without_counters(chain) {
+            return Ok((v, Charged { at: now, hold: 0 }));
+        }
+        let keys: Vec<SliceKey> = remote.iter().map(|(k, _)| k.clone()).collect();
+        let local = Cluster::local_chain(chain, &remote);
+        let cost = if chain.dry_run { 0 } else { chain.cost };
+        let refuse = |key: &SliceKey, wait: Nanos| {
+            let level = chain
+                .levels()
+                .find(|l| l.scope == key.0 && *l.key.route == *key.1)
+                .expect("a slice is one of the chain's levels");
+            let decision = Decision::Rejected {
+                reason: level.scope.reason(),
+                scope: level.scope,
+                limit: Some(*level.rule.limit),
+                retry_after: wait,
+            };
+            (Verdict { decision, shadow: chain.shadow }, Charged { at: now, hold: 0 })
+        };
+        let mut last = keys[0].clone();
+        for _ in 0..3 {
+            let now = self.clock.now();
+            match cluster.slices().take(&keys, cost, now) {
+                Take::Taken => {
+                    let (v, at) = self.store.decide(req, &local, now).await?;
+                    if !v.decision.is_allowed() && cost > 0 {
+                        cluster.slices().give_back(&keys, cost, now);
+                    }
+                    return Ok((v, at));
+                }
+                Take::Short(key) => {
+                    let owner = &remote.iter().find(|(k, _)| *k == key).expect("one of ours").1;
+                    cluster.refill(&key, owner, req.tenant, chain.cost).await?;
+                    last = key;
+                }
+                Take::Denied(key, wait) => return Ok(refuse(&key, wait)),
+            }
+        }
+        // Other requests took every refill first: the owner has little to spare.
+        Ok(refuse(&last, 1_000_000))
     }
 
     /// The active policy and its reload state.
@@ -211,6 +302,7 @@ impl Owner {
     pub fn is_ready(&self) -> bool {
         // Relaxed: a flag read on its own; nothing else is published through it.
         self.ready.load(Ordering::Relaxed)
+            && self.cluster.as_ref().is_none_or(|c| c.joined() && !c.draining())
     }
 
     /// Marks the server ready or not (draining).
@@ -239,6 +331,39 @@ impl Owner {
         all_or_nothing: bool,
         report_later: bool,
     ) -> Result<Vec<Outcome>, (usize, ServerError)> {
+        self.decide_with(api, requests, all_or_nothing, report_later, false).await
+    }
+
+    /// Checks that every request can be resolved against the active policy.
+    ///
+    /// # Errors
+    ///
+    /// The first request that can never succeed, by index.
+    pub fn validate<'r>(
+        &self,
+        requests: impl Iterator<Item = Request<'r>>,
+    ) -> Result<(), (usize, ServerError)> {
+        let active = self.policies.current();
+        for (i, r) in requests.enumerate() {
+            active.policy.resolve(&r, &self.limits.names).map_err(|e| (i, e.into()))?;
+        }
+        Ok(())
+    }
+
+    /// Like [`Self::decide`]; with `unreachable`, the requests' owner could not be
+    /// reached, and each route's failure policy decides.
+    ///
+    /// # Errors
+    ///
+    /// As [`Self::decide`].
+    pub async fn decide_with(
+        &self,
+        api: Api,
+        requests: &[Request<'_>],
+        all_or_nothing: bool,
+        report_later: bool,
+        unreachable: bool,
+    ) -> Result<Vec<Outcome>, (usize, ServerError)> {
         let started = self.clock.now();
         let active = self.policies.current();
         let mut chains: Vec<Chain<'_>> = Vec::with_capacity(requests.len());
@@ -249,7 +374,12 @@ impl Owner {
         let mut outcomes = Vec::with_capacity(requests.len());
         for (i, (req, chain)) in requests.iter().zip(&chains).enumerate() {
             let now = self.clock.now();
-            let (verdict, fell_back, charged_at) = match self.store.decide(req, chain, now).await {
+            let decided = if unreachable {
+                Err(ServerError::Unavailable("the tenant's owner is unreachable".into()))
+            } else {
+                self.decide_one(req, chain, now).await
+            };
+            let (verdict, fell_back, charged_at) = match decided {
                 Ok((v, at)) => (v, false, at),
                 // The store is away: the route's failure policy decides.
                 Err(ServerError::Unavailable(why)) => {
@@ -307,10 +437,14 @@ impl Owner {
             for (o, chain) in outcomes.iter_mut().zip(&chains) {
                 if o.charged > 0 {
                     let now = self.clock.now();
+                    let (local, slices) = self.split(chain);
                     self.store
-                        .refund_grant(chain, now, o.charged_at.at, o.charged_at.hold, o.charged)
+                        .refund_grant(&local, now, o.charged_at.at, o.charged_at.hold, o.charged)
                         .await
                         .map_err(|e| (0, e))?;
+                    if let Some(c) = &self.cluster {
+                        c.slices().give_back(&slices, o.charged, now);
+                    }
                     o.charged = 0;
                 }
             }
@@ -337,6 +471,8 @@ impl Owner {
         // The chain only: the amounts come from the ticket and the report.
         let probe = Request { cost: Some(1), dry_run: true, ..*req };
         let chain = active.policy.resolve(&probe, &self.limits.names)?;
+        // Root levels owned elsewhere were paid from slices: settled here only.
+        let (chain, _) = self.split(&chain);
         let now = self.clock.now();
         let open = self.tickets.close(&t, now);
         let (charged, refunded) = if actual >= t.estimate {

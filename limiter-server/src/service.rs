@@ -6,10 +6,11 @@ use limiter_proto::limiter::v1 as pb;
 use pb::rate_limiter_server::RateLimiter;
 use tonic::{Request, Response, Status};
 
-use crate::convert;
+use crate::cluster::peers::{hop_of, moved, moved_to};
 use crate::error::ServerError;
 use crate::metrics::Api;
 use crate::owner::Owner;
+use crate::routing;
 
 /// `limiter.v1.RateLimiter` over an [`Owner`].
 #[derive(Debug, Clone)]
@@ -35,20 +36,19 @@ impl RateLimiter for NativeService {
         &self,
         request: Request<pb::ShouldAllowRequest>,
     ) -> Result<Response<pb::ShouldAllowResponse>, Status> {
+        let hop = hop_of(&request);
         let req = request.into_inner();
-        let core = convert::request(&req);
-        let outcomes = self
-            .owner
-            .decide(Api::Native, std::slice::from_ref(&core), false, req.report_later)
+        let mut answers = routing::should_allow(&self.owner, std::slice::from_ref(&req), hop)
             .await
             .map_err(|(_, e)| refuse(e))?;
-        Ok(Response::new(convert::response(&outcomes[0])))
+        Ok(Response::new(answers.pop().unwrap_or_default()))
     }
 
     async fn should_allow_batch(
         &self,
         request: Request<pb::ShouldAllowBatchRequest>,
     ) -> Result<Response<pb::ShouldAllowBatchResponse>, Status> {
+        let hop = hop_of(&request);
         let batch = request.into_inner();
         let max = self.owner.limits().max_batch;
         if batch.requests.len() > max {
@@ -64,22 +64,45 @@ impl RateLimiter for NativeService {
                 "at least one request is required",
             )));
         }
-        let core: Vec<_> = batch.requests.iter().map(convert::request).collect();
-        let outcomes =
-            self.owner.decide(Api::Native, &core, false, false).await.map_err(|(i, e)| {
+        let responses =
+            routing::should_allow(&self.owner, &batch.requests, hop).await.map_err(|(i, e)| {
                 Owner::count_invalid(Api::Native, &e);
-                Status::invalid_argument(format!("requests[{i}]: {}", Status::from(e).message()))
+                match e {
+                    ServerError::Unavailable(_) => Status::from(e),
+                    e => Status::invalid_argument(format!(
+                        "requests[{i}]: {}",
+                        Status::from(e).message()
+                    )),
+                }
             })?;
-        Ok(Response::new(pb::ShouldAllowBatchResponse {
-            responses: outcomes.iter().map(convert::response).collect(),
-        }))
+        Ok(Response::new(pb::ShouldAllowBatchResponse { responses }))
     }
 
     async fn report_cost(
         &self,
         request: Request<pb::ReportCostRequest>,
     ) -> Result<Response<pb::ReportCostResponse>, Status> {
+        let hop = hop_of(&request);
         let r = request.into_inner();
+        if let Some(cluster) = self.owner.cluster() {
+            match routing::target(cluster, &r.tenant, hop).await {
+                Some(Err(owner)) => return Err(moved(&owner.address)),
+                Some(Ok(owner)) => {
+                    let peer = cluster.peer(&owner)?;
+                    match peer.report_cost(r.clone(), 1).await {
+                        Err(s) if moved_to(&s).is_some_and(|a| a != *cluster.me().address) => {
+                            let to = moved_to(&s).unwrap_or_default();
+                            return Ok(Response::new(
+                                cluster.peers().get(&to)?.report_cost(r, 2).await?,
+                            ));
+                        }
+                        Err(s) if moved_to(&s).is_some() => {}
+                        answer => return answer.map(Response::new),
+                    }
+                }
+                None => {}
+            }
+        }
         let core = limiter_core::policy::Request {
             tenant: &r.tenant,
             route: &r.route,
@@ -99,12 +122,16 @@ impl RateLimiter for NativeService {
         &self,
         request: Request<pb::LeaseRequest>,
     ) -> Result<Response<pb::LeaseResponse>, Status> {
+        let hop = hop_of(&request);
         let r = request.into_inner();
         let max = self.owner.limits().max_batch;
         if r.items.len() > max {
             return Err(refuse(ServerError::TooLarge { what: "items", got: r.items.len(), max }));
         }
-        let grants = self.owner.lease(&r.agent_id, &r.items).await.map_err(|(i, e)| {
+        if r.agent_id.is_empty() {
+            return Err(refuse(ServerError::invalid("agent_id", "must not be empty")));
+        }
+        let grants = routing::lease(&self.owner, &r, hop).await.map_err(|(i, e)| {
             Owner::count_invalid(Api::Lease, &e);
             Status::invalid_argument(format!("items[{i}]: {}", Status::from(e).message()))
         })?;
@@ -116,5 +143,42 @@ impl RateLimiter for NativeService {
         _: Request<pb::PingRequest>,
     ) -> Result<Response<pb::PingResponse>, Status> {
         Ok(Response::new(pb::PingResponse {}))
+    }
+
+    async fn topology(
+        &self,
+        request: Request<pb::TopologyRequest>,
+    ) -> Result<Response<pb::TopologyResponse>, Status> {
+        let r = request.into_inner();
+        let max = self.owner.limits().max_batch;
+        if r.tenants.len() > max {
+            return Err(refuse(ServerError::TooLarge {
+                what: "tenants",
+                got: r.tenants.len(),
+                max,
+            }));
+        }
+        let ready = self.owner.is_ready();
+        let answer = match self.owner.cluster() {
+            Some(c) => c.topology(&r.tenants, ready),
+            None => pb::TopologyResponse { ready, ..Default::default() },
+        };
+        Ok(Response::new(answer))
+    }
+
+    async fn handoff(
+        &self,
+        request: Request<pb::HandoffRequest>,
+    ) -> Result<Response<pb::HandoffResponse>, Status> {
+        if hop_of(&request) == 0 {
+            return Err(Status::permission_denied("handoffs come from other nodes only"));
+        }
+        let r = request.into_inner();
+        let Some(cluster) = self.owner.cluster() else {
+            return Err(Status::failed_precondition("this node is not in a cluster"));
+        };
+        let policy = self.owner.policies().current();
+        let accepted = cluster.receive(&r, self.owner.store().limiter(), &policy.policy);
+        Ok(Response::new(pb::HandoffResponse { accepted }))
     }
 }

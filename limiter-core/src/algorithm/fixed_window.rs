@@ -13,7 +13,7 @@ pub struct FixedWindow {
 }
 
 /// A fixed window's per-key state: 16 bytes.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct FixedWindowState {
     /// Index of the window `count` belongs to.
     window: u64,

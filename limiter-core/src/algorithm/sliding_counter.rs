@@ -18,7 +18,7 @@ pub struct SlidingCounter {
 }
 
 /// A sliding counter's per-key state: 24 bytes.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct SlidingCounterState {
     /// Index of the window `curr` belongs to.
     window: u64,

@@ -26,7 +26,7 @@ pub struct SlidingLog {
 
 /// A sliding log's per-key state: 40 bytes inline plus 16 bytes per entry, at most
 /// `limit` entries.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct SlidingLogState {
     entries: VecDeque<(Nanos, u64)>,
     /// Sum of the units of every entry in `entries`, expired ones included.

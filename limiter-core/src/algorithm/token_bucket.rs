@@ -18,7 +18,7 @@ pub struct TokenBucket {
 }
 
 /// A token bucket's per-key state: 16 bytes.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct TokenBucketState {
     /// Scaled time at which the bucket is full again; at or before now means full.
     /// A `u128` kept as two words so the state needs only 8-byte alignment (a

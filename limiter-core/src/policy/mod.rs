@@ -235,6 +235,19 @@ impl<'a> Chain<'a> {
         self.levels().fold(hold, |h, l| l.rule.limit.grant_hold(now, h))
     }
 
+    /// The same request over only the levels `keep` accepts (in order): the part of a
+    /// chain one node decides when other levels are decided elsewhere.
+    #[must_use]
+    pub fn retain_levels(&self, keep: impl Fn(&Level<'a>) -> bool) -> Self {
+        let mut out = Self { keys: self.keys, rules: [None; MAX_LEVELS], len: 0, ..*self };
+        for level in self.levels() {
+            if keep(&level) {
+                out.push(level.scope, Some(level.rule), level.key);
+            }
+        }
+        out
+    }
+
     /// The counters of the levels, outermost first.
     pub fn keys(&self) -> &[LimitKeyRef<'a>] {
         &self.keys[..self.len]

@@ -67,6 +67,14 @@ impl Store {
         Self::Redis(Box::new(RedisBacked { store, batches: Batches::default(), clock }))
     }
 
+    /// The memory store's limiter (`None` for Redis).
+    pub fn limiter(&self) -> Option<&Limiter> {
+        match self {
+            Self::Memory(l) => Some(l),
+            Self::Redis(_) => None,
+        }
+    }
+
     /// Whether `policy` can run on this store.
     ///
     /// # Errors

@@ -1,0 +1,283 @@
+//! Where the ring's members come from.
+//!
+//! - Static: the configured peers, each checked every `health_interval` with the
+//!   topology call; a peer leaves the ring after `fail_after` consecutive failed (or
+//!   draining) answers and comes back after `recover_after` good ones (its first
+//!   answer counts at once). The epoch is this node's own count of changes.
+//! - Redis registry: every node renews its entry (a sorted set scored by expiry, plus
+//!   its address and weight) every `poll` with one script that also drops expired
+//!   entries and bumps the shared epoch whenever the member set changes, so every
+//!   node derives the same ring at the same epoch, and the epoch only grows. When the
+//!   registry cannot be reached, the last good ring keeps serving and
+//!   `limiter_membership_view_age_seconds` grows.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio_util::sync::CancellationToken;
+
+use super::ring::{Member, Ring};
+use crate::config::{Membership, Peer};
+use crate::owner::Owner;
+
+/// Renews this node's entry, drops expired ones, bumps the epoch on any change and
+/// returns `{epoch, id, info, id, info, ...}`. KEYS: members (zset), epoch, info
+/// (hash). ARGV: op (`renew`, `leave`, `read`), id, `address*weight`, TTL ms.
+const REGISTRY_SCRIPT: &str = r"
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local changed = false
+local gone = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now)
+for _, id in ipairs(gone) do
+  redis.call('HDEL', KEYS[3], id)
+  changed = true
+end
+if #gone > 0 then redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now) end
+if ARGV[1] == 'renew' then
+  if redis.call('ZADD', KEYS[1], now + tonumber(ARGV[4]), ARGV[2]) == 1 then changed = true end
+  if redis.call('HGET', KEYS[3], ARGV[2]) ~= ARGV[3] then
+    redis.call('HSET', KEYS[3], ARGV[2], ARGV[3])
+    changed = true
+  end
+elseif ARGV[1] == 'leave' then
+  if redis.call('ZREM', KEYS[1], ARGV[2]) == 1 then changed = true end
+  redis.call('HDEL', KEYS[3], ARGV[2])
+end
+local epoch
+if changed then
+  epoch = redis.call('INCR', KEYS[2])
+else
+  epoch = tonumber(redis.call('GET', KEYS[2]) or '0')
+end
+local out = {epoch}
+for _, id in ipairs(redis.call('ZRANGE', KEYS[1], 0, -1)) do
+  table.insert(out, id)
+  table.insert(out, redis.call('HGET', KEYS[3], id) or '')
+end
+return out
+";
+
+/// Keeps the ring of `owner`'s cluster current until `cancel`.
+pub async fn run(owner: Arc<Owner>, cancel: CancellationToken) {
+    let Some(cluster) = owner.cluster() else { return };
+    match cluster.config().membership.clone() {
+        Membership::Single => {}
+        Membership::Static(peers) => run_static(&owner, &peers, cancel).await,
+        Membership::Registry { url, key, ttl, poll } => {
+            run_registry(&owner, &url, &key, ttl, poll, cancel).await;
+        }
+    }
+}
+
+#[derive(Debug, Default)]
+struct Health {
+    live: Option<bool>,
+    streak: u32,
+}
+
+async fn run_static(owner: &Arc<Owner>, peers: &[Peer], cancel: CancellationToken) {
+    let cluster = owner.cluster().expect("checked by run");
+    let me = cluster.me().clone();
+    let cfg = cluster.config().clone();
+    let others: Vec<Member> = peers
+        .iter()
+        .filter(|p| *p.id != *me.id)
+        .map(|p| Member {
+            id: p.id.as_str().into(),
+            address: p.address.as_str().into(),
+            weight: p.weight,
+        })
+        .collect();
+    let mut health: HashMap<Arc<str>, Health> = HashMap::new();
+    let mut epoch = 0;
+    let mut tick = tokio::time::interval(cfg.health_interval);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            () = cancel.cancelled() => return,
+            _ = tick.tick() => {}
+        }
+        let checks = others.iter().map(|m| {
+            let peer = cluster.peer(m);
+            let timeout = cfg.health_interval.max(Duration::from_millis(50));
+            async move {
+                match peer {
+                    Ok(p) => matches!(p.topology(timeout).await, Ok(t) if !t.draining),
+                    Err(_) => false,
+                }
+            }
+        });
+        let mut results = Vec::with_capacity(others.len());
+        for c in checks {
+            results.push(c.await);
+        }
+        let mut members = Vec::new();
+        if !cluster.draining() {
+            members.push(me.clone());
+        }
+        for (m, ok) in others.iter().zip(results) {
+            let h = health.entry(m.id.clone()).or_default();
+            match h.live {
+                None => h.live = Some(ok),
+                Some(live) if live == ok => h.streak = 0,
+                Some(live) => {
+                    h.streak += 1;
+                    let needed = if live { cfg.fail_after } else { cfg.recover_after };
+                    if h.streak >= needed {
+                        h.live = Some(ok);
+                        h.streak = 0;
+                        tracing::info!(peer = %m.id, live = ok, "peer health changed");
+                    }
+                }
+            }
+            if h.live == Some(true) {
+                members.push(m.clone());
+            }
+        }
+        cluster.refreshed();
+        let ring = cluster.ring();
+        let mut ids: Vec<&str> = members.iter().map(|m| &*m.id).collect();
+        ids.sort_unstable();
+        let current: Vec<&str> = ring.members().iter().map(|m| &*m.id).collect();
+        if ids != current || !cluster.joined() {
+            epoch += 1;
+            cluster.install(Ring::new(epoch, members), owner.store().limiter()).await;
+        }
+        cluster.publish();
+    }
+}
+
+fn parse_registry(reply: &[redis::Value]) -> Option<Ring> {
+    let int = |v: &redis::Value| match v {
+        redis::Value::Int(i) => u64::try_from(*i).ok(),
+        _ => None,
+    };
+    let text = |v: &redis::Value| match v {
+        redis::Value::BulkString(b) => String::from_utf8(b.clone()).ok(),
+        redis::Value::SimpleString(s) => Some(s.clone()),
+        _ => None,
+    };
+    let epoch = int(reply.first()?)?;
+    let mut members = Vec::new();
+    for pair in reply[1..].chunks(2) {
+        let [id, info] = pair else { return None };
+        let (id, info) = (text(id)?, text(info)?);
+        let (address, weight) = info.split_once('*')?;
+        members.push(Member {
+            id: id.into(),
+            address: address.into(),
+            weight: weight.parse().ok()?,
+        });
+    }
+    Some(Ring::new(epoch, members))
+}
+
+async fn run_registry(
+    owner: &Arc<Owner>,
+    url: &str,
+    key: &str,
+    ttl: Duration,
+    poll: Duration,
+    cancel: CancellationToken,
+) {
+    let cluster = owner.cluster().expect("checked by run");
+    let me = cluster.me().clone();
+    let info = format!("{}*{}", me.address, me.weight);
+    let keys =
+        [format!("{{{key}}}:members"), format!("{{{key}}}:epoch"), format!("{{{key}}}:info")];
+    let script = redis::Script::new(REGISTRY_SCRIPT);
+    let client = match redis::Client::open(url) {
+        Ok(c) => c,
+        Err(e) => {
+            tracing::error!("cluster.registry_url: {e}");
+            return;
+        }
+    };
+    let mut conn: Option<redis::aio::MultiplexedConnection> = None;
+    let mut left = false;
+    let mut failures = 0u32;
+    let mut tick = tokio::time::interval(poll);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        let stopping = tokio::select! {
+            () = cancel.cancelled() => true,
+            _ = tick.tick() => false,
+        };
+        let op = if stopping || cluster.draining() {
+            if left { "read" } else { "leave" }
+        } else {
+            "renew"
+        };
+        if conn.is_none() {
+            conn = tokio::time::timeout(poll, client.get_multiplexed_async_connection())
+                .await
+                .ok()
+                .and_then(Result::ok);
+        }
+        let reply = match conn.as_mut() {
+            Some(c) => {
+                let mut inv = script.prepare_invoke();
+                for k in &keys {
+                    inv.key(k);
+                }
+                inv.arg(op)
+                    .arg(&*me.id)
+                    .arg(&info)
+                    .arg(u64::try_from(ttl.as_millis()).unwrap_or(u64::MAX));
+                tokio::time::timeout(poll, inv.invoke_async::<Vec<redis::Value>>(c))
+                    .await
+                    .ok()
+                    .and_then(Result::ok)
+            }
+            None => None,
+        };
+        match reply.as_deref().and_then(parse_registry) {
+            Some(ring) => {
+                failures = 0;
+                if op == "leave" {
+                    left = true;
+                }
+                cluster.refreshed();
+                cluster.install(ring, owner.store().limiter()).await;
+            }
+            None => {
+                conn = None;
+                failures += 1;
+                if failures == 1 || failures.is_power_of_two() {
+                    tracing::warn!(
+                        failures,
+                        "membership registry unreachable: the last ring keeps serving"
+                    );
+                }
+            }
+        }
+        cluster.publish();
+        if stopping {
+            return;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn registry_replies_parse_into_a_ring() {
+        let b = |s: &str| redis::Value::BulkString(s.as_bytes().to_vec());
+        let r = parse_registry(&[
+            redis::Value::Int(7),
+            b("b"),
+            b("127.0.0.1:2*1"),
+            b("a"),
+            b("127.0.0.1:1*3"),
+        ])
+        .unwrap();
+        assert_eq!(r.epoch, 7);
+        assert_eq!(r.members()[0].id.as_ref(), "a");
+        assert_eq!(r.members()[0].weight, 3);
+        assert!(parse_registry(&[redis::Value::Int(1), b("a")]).is_none());
+        assert!(parse_registry(&[redis::Value::Int(1), b("a"), b("no-weight")]).is_none());
+    }
+}

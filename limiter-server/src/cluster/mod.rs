@@ -1,0 +1,523 @@
+//! Several nodes sharing the tenants: the ring, membership, forwarding, planned moves
+//! with handoff, and fencing after a node's loss.
+//!
+//! - Every tenant has one owner, chosen by rendezvous hashing over the live members
+//!   ([`ring`]). A node that receives a request for a tenant it does not own forwards
+//!   it once to the owner ([`peers`]); the owner answers, or, if its own view says
+//!   someone else owns the tenant, names that node (one redirect, then whoever is
+//!   asked decides: never a loop).
+//! - Membership comes from a static list with health checks or a Redis registry
+//!   ([`membership`]); a change installs a new ring here.
+//! - Planned moves: when a node joins, each old owner sends the counters of the
+//!   tenants that move to it (a handoff) before it redirects them; a draining node
+//!   sends all of its counters to their new owners, then redirects. Requests for a
+//!   tenant whose counters are on their way wait for them (at most the handoff
+//!   timeout).
+//! - Unplanned loss: the new owner of a dead node's tenants fences them for the
+//!   longest lease TTL the old owner could have issued; meanwhile their requests
+//!   follow each route's failure policy and lease calls are granted nothing new.
+//!
+//! With the Redis store the counters are shared, so there is nothing to hand off and
+//! nothing to fence: ownership only routes.
+
+pub mod membership;
+pub mod peers;
+pub mod ring;
+pub mod slices;
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use arc_swap::ArcSwap;
+use limiter_core::Limiter;
+use limiter_core::algorithm::Algorithm;
+use limiter_core::clock::{Clock, Nanos};
+use limiter_core::decision::Scope;
+use limiter_core::key::LimitKey;
+use limiter_core::limit::LimitState;
+use limiter_core::policy::{Policy, Request};
+use limiter_proto::limiter::v1 as pb;
+use parking_lot::Mutex;
+
+use self::peers::{Peer, Peers};
+use self::ring::{GLOBAL_ROOT, Member, Ring, route_root};
+use crate::config::{ClusterConfig, Membership};
+use crate::convert;
+use crate::metrics as m;
+
+/// Where a tenant's (or root key's) requests are decided.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Placement {
+    /// Here.
+    Local,
+    /// On another node.
+    Remote(Member),
+    /// Here, once the old owner's counters arrive (a planned move), at most until
+    /// this instant.
+    Wait {
+        /// When to stop waiting.
+        until: Nanos,
+    },
+    /// Here, but the old owner died: nothing is granted until this instant; requests
+    /// follow their route's failure policy.
+    Fenced {
+        /// The fence's end.
+        until: Nanos,
+    },
+}
+
+/// A ring change as this node saw it.
+#[derive(Debug, Clone)]
+struct Transition {
+    at: Nanos,
+    before: Arc<Ring>,
+    after: Arc<Ring>,
+}
+
+/// The ring name a stored counter belongs to.
+pub fn ring_name(key: &LimitKey) -> String {
+    let k = key.as_ref();
+    match k.scope {
+        Scope::Global => GLOBAL_ROOT.to_owned(),
+        Scope::Route => route_root(k.route),
+        _ => k.tenant.to_owned(),
+    }
+}
+
+/// This node's share of the cluster.
+pub struct Cluster {
+    me: Member,
+    config: ClusterConfig,
+    /// Whether counters live here (memory store): moves hand them off, losses fence.
+    stateful: bool,
+    ring: ArcSwap<Ring>,
+    /// While this node hands counters off: the ring it hands them to.
+    moving: ArcSwap<Option<Arc<Ring>>>,
+    transitions: Mutex<Vec<Transition>>,
+    /// Complete handoffs received, by sender, and when.
+    handoffs: Mutex<HashMap<Arc<str>, Nanos>>,
+    draining: AtomicBool,
+    joined: AtomicBool,
+    /// When the membership source last answered (for the view-age gauge).
+    refreshed: Mutex<Nanos>,
+    peers: Peers,
+    clock: Arc<dyn Clock>,
+    /// How long a dead node's tenants are fenced.
+    fence: Nanos,
+    slices: slices::Slices,
+}
+
+impl std::fmt::Debug for Cluster {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Cluster")
+            .field("me", &self.me.id)
+            .field("ring", &self.ring.load())
+            .finish_non_exhaustive()
+    }
+}
+
+fn nanos(d: Duration) -> Nanos {
+    u64::try_from(d.as_nanos()).unwrap_or(u64::MAX)
+}
+
+impl Cluster {
+    /// This node in a cluster configured by `config`; `stateful` for the memory store;
+    /// `longest_ttl`: the longest lease TTL the policy can issue.
+    pub fn new(
+        config: ClusterConfig,
+        stateful: bool,
+        clock: Arc<dyn Clock>,
+        longest_ttl: Nanos,
+    ) -> Self {
+        let me = Member {
+            id: config.node_id.as_str().into(),
+            address: config.advertise.as_str().into(),
+            weight: config.weight,
+        };
+        let fence = if config.fence.is_zero() {
+            longest_ttl.max(nanos(config.slice_ttl))
+        } else {
+            nanos(config.fence)
+        };
+        // Alone (or before the first view), this node owns everything.
+        let ring = Ring::new(0, vec![me.clone()]);
+        let single = config.membership == Membership::Single;
+        Self {
+            peers: Peers::new(config.forward_timeout),
+            slices: slices::Slices::default(),
+            me,
+            stateful,
+            ring: ArcSwap::from_pointee(ring),
+            moving: ArcSwap::from_pointee(None),
+            transitions: Mutex::default(),
+            handoffs: Mutex::default(),
+            draining: AtomicBool::new(false),
+            joined: AtomicBool::new(single),
+            refreshed: Mutex::new(clock.now()),
+            clock,
+            fence,
+            config,
+        }
+    }
+
+    /// This node.
+    pub fn me(&self) -> &Member {
+        &self.me
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &ClusterConfig {
+        &self.config
+    }
+
+    /// The current ring.
+    pub fn ring(&self) -> Arc<Ring> {
+        self.ring.load_full()
+    }
+
+    /// Whether this node is alone (no forwarding, no slices).
+    pub fn is_single(&self) -> bool {
+        self.config.membership == Membership::Single
+    }
+
+    /// Peer clients.
+    pub fn peers(&self) -> &Peers {
+        &self.peers
+    }
+
+    /// Slices of root keys leased from their owners.
+    pub fn slices(&self) -> &slices::Slices {
+        &self.slices
+    }
+
+    /// The client of `member`.
+    ///
+    /// # Errors
+    ///
+    /// A malformed address.
+    pub fn peer(&self, member: &Member) -> Result<Peer, tonic::Status> {
+        self.peers.get(&member.address)
+    }
+
+    /// Whether this node has joined the ring (its first view is in).
+    pub fn joined(&self) -> bool {
+        self.joined.load(Ordering::Relaxed)
+    }
+
+    /// Whether this node is draining.
+    pub fn draining(&self) -> bool {
+        self.draining.load(Ordering::Relaxed)
+    }
+
+    /// How long a dead node's tenants are fenced.
+    pub fn fence(&self) -> Nanos {
+        self.fence
+    }
+
+    /// The owner of `name` in the current ring (this node when alone).
+    pub fn owner_of(&self, name: &str) -> Member {
+        self.ring.load().owner(name).cloned().unwrap_or_else(|| self.me.clone())
+    }
+
+    /// Where `name`'s requests are decided now.
+    pub fn place(&self, name: &str, now: Nanos) -> Placement {
+        let ring = self.ring.load();
+        if ring.members().len() <= 1 && self.moving.load().is_none() {
+            return match ring.owner(name) {
+                Some(o) if o.id != self.me.id => Placement::Remote(o.clone()),
+                _ => Placement::Local,
+            };
+        }
+        let Some(owner) = ring.owner(name) else { return Placement::Local };
+        let moving = self.moving.load();
+        if let Some(target) = &**moving {
+            let to = target.owner(name).map(|m| m.id.clone());
+            if owner.id == self.me.id && to.as_ref().is_none_or(|t| *t != self.me.id) {
+                return Placement::Wait { until: now + nanos(self.config.handoff_timeout) };
+            }
+        }
+        if owner.id != self.me.id {
+            return Placement::Remote(owner.clone());
+        }
+        if !self.stateful {
+            return Placement::Local;
+        }
+        let handoff = nanos(self.config.handoff_timeout);
+        let transitions = self.transitions.lock();
+        for t in transitions.iter().rev() {
+            let Some(before) = t.before.owner(name) else { continue };
+            if before.id == self.me.id || t.after.owner(name).is_none_or(|a| a.id != self.me.id) {
+                continue;
+            }
+            let handed =
+                self.handoffs.lock().get(&before.id).is_some_and(|at| *at + handoff >= t.at);
+            if handed {
+                return Placement::Local;
+            }
+            if ring.member(&before.id).is_some() {
+                // A planned move from a live node: its counters are on their way.
+                if now < t.at + handoff {
+                    return Placement::Wait { until: t.at + handoff };
+                }
+            } else if now < t.at + self.fence {
+                // The old owner is gone without handing off: fence.
+                return Placement::Fenced { until: t.at + self.fence };
+            }
+            return Placement::Local;
+        }
+        Placement::Local
+    }
+
+    /// Like [`Self::place`], waiting out handoffs on their way.
+    pub async fn settle(&self, name: &str) -> Placement {
+        loop {
+            let now = self.clock.now();
+            match self.place(name, now) {
+                Placement::Wait { until } if now < until => {
+                    let left = Duration::from_nanos(until - now);
+                    tokio::time::sleep(left.min(Duration::from_millis(5))).await;
+                }
+                Placement::Wait { .. } => {
+                    metrics::counter!(m::HANDOFF_TIMEOUTS).increment(1);
+                    return Placement::Local;
+                }
+                p => return p,
+            }
+        }
+    }
+
+    /// Whether `tenant` is fenced now (its requests follow the failure policy).
+    pub fn fenced(&self, tenant: &str, now: Nanos) -> bool {
+        self.stateful && matches!(self.place(tenant, now), Placement::Fenced { .. })
+    }
+
+    /// Records that the membership source answered.
+    pub fn refreshed(&self) {
+        *self.refreshed.lock() = self.clock.now();
+    }
+
+    /// Publishes the ring gauges.
+    #[allow(clippy::cast_precision_loss)] // gauge values
+    pub fn publish(&self) {
+        let ring = self.ring.load();
+        metrics::gauge!(m::RING_MEMBERS).set(ring.members().len() as f64);
+        metrics::gauge!(m::RING_EPOCH).set(ring.epoch as f64);
+        let age = self.clock.now().saturating_sub(*self.refreshed.lock());
+        metrics::gauge!(m::MEMBERSHIP_AGE).set(age as f64 / 1e9);
+    }
+
+    /// Installs a new ring. Counters of tenants that move to a member that was not in
+    /// the old ring are handed to it first (planned moves); this node marks itself
+    /// joined once it is in a ring.
+    pub async fn install(&self, new: Ring, limiter: Option<&Limiter>) {
+        let old = self.ring.load_full();
+        if *old == new {
+            return;
+        }
+        let new = Arc::new(new);
+        if self.draining() {
+            // A draining node keeps redirecting by the ring it handed off to.
+            let mut handed = (*new).clone();
+            handed = handed.without(&self.me.id);
+            self.ring.store(Arc::new(handed));
+            return;
+        }
+        let joined_now = new.member(&self.me.id).is_some();
+        let gained: Vec<Member> = new
+            .members()
+            .iter()
+            .filter(|m| m.id != self.me.id && old.member(&m.id).is_none())
+            .cloned()
+            .collect();
+        let was_alone = old.members().len() <= 1 && !self.joined();
+        if self.stateful {
+            // A node's first view: it held nothing for the others, and says so at
+            // once so that they do not wait for it.
+            let to: Vec<Member> = if was_alone {
+                new.members().iter().filter(|m| m.id != self.me.id).cloned().collect()
+            } else {
+                gained.clone()
+            };
+            if !to.is_empty() {
+                self.moving.store(Arc::new(Some(new.clone())));
+                let me = self.me.id.clone();
+                let taken = match limiter {
+                    Some(l) if !was_alone => l.table().take_where(|k| {
+                        let name = ring_name(k);
+                        old.owner(&name).is_some_and(|o| o.id == me)
+                            && new.owner(&name).is_some_and(|n| to.iter().any(|g| g.id == n.id))
+                    }),
+                    _ => Vec::new(),
+                };
+                self.hand_off(&new, &to, taken).await;
+            }
+        }
+        let now = self.clock.now();
+        {
+            let mut t = self.transitions.lock();
+            let keep = self.fence.max(nanos(self.config.handoff_timeout)) * 2;
+            t.retain(|x| now.saturating_sub(x.at) < keep);
+            // A node's first view: everything it owns comes from the ring without it.
+            let before = if was_alone { Arc::new(new.without(&self.me.id)) } else { old.clone() };
+            t.push(Transition { at: now, before, after: new.clone() });
+        }
+        tracing::info!(
+            epoch = new.epoch,
+            members = ?new.members().iter().map(|m| &*m.id).collect::<Vec<_>>(),
+            "ring changed"
+        );
+        self.ring.store(new);
+        self.moving.store(Arc::new(None));
+        if joined_now {
+            self.joined.store(true, Ordering::Relaxed);
+        }
+        self.publish();
+    }
+
+    /// Drains: hands every counter to its owner in the ring without this node, then
+    /// redirects every request there.
+    pub async fn drain(&self, limiter: Option<&Limiter>) {
+        if self.draining.swap(true, Ordering::Relaxed) {
+            return;
+        }
+        let old = self.ring.load_full();
+        let target = Arc::new(old.without(&self.me.id));
+        if target.is_empty() {
+            return;
+        }
+        self.moving.store(Arc::new(Some(target.clone())));
+        if let Some(limiter) = limiter {
+            let taken = limiter.table().take_where(|_| true);
+            self.hand_off(&target, target.members(), taken).await;
+        }
+        self.ring.store(target);
+        self.moving.store(Arc::new(None));
+    }
+
+    /// Sends `taken` counters to their owners in `target` (one complete message to
+    /// each of `to`, even an empty one: it tells the receiver nothing else is coming).
+    async fn hand_off(&self, target: &Ring, to: &[Member], taken: Vec<limiter_core::table::Slot>) {
+        let mut by_owner: HashMap<Arc<str>, Vec<pb::CounterState>> = HashMap::new();
+        for slot in taken {
+            let Some(owner) = target.owner(&ring_name(slot.key())) else { continue };
+            let k = slot.key().as_ref();
+            let Ok(state) = serde_json::to_vec(&slot.state) else { continue };
+            by_owner.entry(owner.id.clone()).or_default().push(pb::CounterState {
+                scope: convert::scope(k.scope).into(),
+                tenant: k.tenant.to_owned(),
+                route: k.route.to_owned(),
+                key: k.key.to_owned(),
+                state,
+            });
+        }
+        let sends = to.iter().map(|member| {
+            let counters = by_owner.remove(&member.id).unwrap_or_default();
+            let n = counters.len();
+            let req = pb::HandoffRequest {
+                from: self.me.id.to_string(),
+                epoch: target.epoch,
+                counters,
+                complete: true,
+            };
+            async move {
+                let sent = match self.peer(member) {
+                    Ok(p) => p.handoff(req, self.config.handoff_timeout).await,
+                    Err(e) => Err(e),
+                };
+                match sent {
+                    Ok(_) => {
+                        metrics::counter!(m::HANDOFF_COUNTERS, "direction" => "sent")
+                            .increment(n as u64);
+                        tracing::info!(to = %member.id, counters = n, "handed off");
+                    }
+                    Err(e) => {
+                        metrics::counter!(m::HANDOFF_FAILURES).increment(1);
+                        tracing::warn!(to = %member.id, counters = n, "handoff failed: {e}");
+                    }
+                }
+            }
+        });
+        for send in sends {
+            send.await;
+        }
+    }
+
+    /// Stores counters handed to this node; returns how many were accepted.
+    pub fn receive(
+        &self,
+        req: &pb::HandoffRequest,
+        limiter: Option<&Limiter>,
+        policy: &Policy,
+    ) -> u64 {
+        let now = self.clock.now();
+        let mut accepted = 0;
+        if let Some(limiter) = limiter {
+            for c in &req.counters {
+                if store_counter(limiter, policy, c, now) {
+                    accepted += 1;
+                }
+            }
+        }
+        metrics::counter!(m::HANDOFF_COUNTERS, "direction" => "received").increment(accepted);
+        if req.complete {
+            self.handoffs.lock().insert(req.from.as_str().into(), now);
+        }
+        tracing::info!(from = %req.from, counters = accepted, complete = req.complete, "handoff received");
+        accepted
+    }
+
+    /// The topology answer for `tenants`.
+    pub fn topology(&self, tenants: &[String], ready: bool) -> pb::TopologyResponse {
+        let ring = self.ring.load();
+        pb::TopologyResponse {
+            epoch: ring.epoch,
+            members: ring
+                .members()
+                .iter()
+                .map(|m| pb::Member {
+                    id: m.id.to_string(),
+                    address: m.address.to_string(),
+                    weight: m.weight,
+                })
+                .collect(),
+            node_id: self.me.id.to_string(),
+            ready,
+            draining: self.draining(),
+            owners: tenants
+                .iter()
+                .map(|t| ring.owner(t).map_or_else(String::new, |m| m.id.to_string()))
+                .collect(),
+            hashing: ring::HASHING.to_owned(),
+        }
+    }
+}
+
+/// Stores one handed-off counter under this node's limit for it; false when the
+/// policy has no such level here or the state does not fit it.
+fn store_counter(limiter: &Limiter, policy: &Policy, c: &pb::CounterState, now: Nanos) -> bool {
+    let Some(scope) = convert::scope_from(c.scope) else { return false };
+    let Ok(state) = serde_json::from_slice::<LimitState>(&c.state) else { return false };
+    // Root counters do not depend on the tenant; any valid name resolves them.
+    let tenant = if c.tenant.is_empty() { "-" } else { &c.tenant };
+    let route = if c.route.is_empty() { "-" } else { &c.route };
+    let req = Request {
+        tenant,
+        route,
+        key: (!c.key.is_empty()).then_some(c.key.as_str()),
+        cost: Some(1),
+        dry_run: true,
+    };
+    let Ok(chain) = policy.resolve(&req, &limiter_core::policy::NameBounds::default()) else {
+        return false;
+    };
+    let Some(level) = chain.levels().find(|l| l.scope == scope) else { return false };
+    if let LimitState::SlidingLog(log) = &state
+        && u64::try_from(log.len()).unwrap_or(u64::MAX) > level.rule.limit.capacity()
+    {
+        return false;
+    }
+    limiter.table().put(level.key, &level.rule.limit, state, now);
+    true
+}

@@ -1,0 +1,249 @@
+//! Calls to other nodes: forwarded decisions (single ones batched per peer), lease
+//! calls, topology checks and handoffs. One lazily connected channel per peer.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use limiter_proto::envoy::service::ratelimit::v3 as rls;
+use limiter_proto::envoy::service::ratelimit::v3::rate_limit_service_client::RateLimitServiceClient;
+use limiter_proto::limiter::v1 as pb;
+use limiter_proto::limiter::v1::rate_limiter_client::RateLimiterClient;
+use parking_lot::Mutex;
+use tokio::sync::{mpsc, oneshot};
+use tonic::transport::Channel;
+use tonic::{Request, Status};
+
+/// Metadata naming a forwarded call's hop (`1`: forwarded once; `2`: redirected once
+/// after that). A node never forwards a call that carries it.
+pub const FORWARDED: &str = "x-limiter-forwarded";
+
+/// Metadata of a `FAILED_PRECONDITION` answer: the address of the tenant's owner.
+pub const OWNER: &str = "x-limiter-owner";
+
+/// Single decisions queued for one peer are sent together, at most this many.
+const MAX_FORWARD_BATCH: usize = 100;
+
+/// Batches in flight to one peer at a time.
+const FORWARDS_IN_FLIGHT: usize = 8;
+
+type Waiting = (pb::ShouldAllowRequest, oneshot::Sender<Result<pb::ShouldAllowResponse, Status>>);
+
+/// One other node.
+#[derive(Debug, Clone)]
+pub struct Peer {
+    native: RateLimiterClient<Channel>,
+    envoy: RateLimitServiceClient<Channel>,
+    queue: mpsc::Sender<Waiting>,
+    timeout: Duration,
+}
+
+/// The hop of a call that arrived (0: from a client).
+pub fn hop_of<T>(request: &Request<T>) -> u8 {
+    request
+        .metadata()
+        .get(FORWARDED)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0)
+}
+
+fn with_hop<T>(message: T, hop: u8, timeout: Duration) -> Request<T> {
+    let mut r = Request::new(message);
+    r.metadata_mut().insert(FORWARDED, hop.to_string().parse().expect("a number is ASCII"));
+    r.set_timeout(timeout);
+    r
+}
+
+/// A `FAILED_PRECONDITION` saying `owner` owns the tenant now.
+pub fn moved(owner: &str) -> Status {
+    let mut s =
+        Status::failed_precondition(format!("this node does not own the tenant; {owner} does"));
+    if let Ok(v) = owner.parse() {
+        s.metadata_mut().insert(OWNER, v);
+    }
+    s
+}
+
+/// The owner a `moved` answer names.
+pub fn moved_to(status: &Status) -> Option<String> {
+    (status.code() == tonic::Code::FailedPrecondition)
+        .then(|| status.metadata().get(OWNER)?.to_str().ok().map(str::to_owned))
+        .flatten()
+}
+
+impl Peer {
+    fn new(address: &str, timeout: Duration) -> Result<Self, String> {
+        let endpoint = tonic::transport::Endpoint::from_shared(format!("http://{address}"))
+            .map_err(|e| format!("peer address `{address}`: {e}"))?
+            .connect_timeout(timeout)
+            .tcp_nodelay(true);
+        let channel = endpoint.connect_lazy();
+        let native = RateLimiterClient::new(channel.clone());
+        let envoy = RateLimitServiceClient::new(channel);
+        let (queue, rx) = mpsc::channel(4 * MAX_FORWARD_BATCH);
+        tokio::spawn(batch_loop(native.clone(), rx, timeout));
+        Ok(Self { native, envoy, queue, timeout })
+    }
+
+    /// Forwards one decision; queued with others bound for the same peer.
+    ///
+    /// # Errors
+    ///
+    /// The peer's answer, or `UNAVAILABLE` when it cannot be reached.
+    pub async fn allow(
+        &self,
+        req: pb::ShouldAllowRequest,
+    ) -> Result<pb::ShouldAllowResponse, Status> {
+        let (tx, rx) = oneshot::channel();
+        self.queue.send((req, tx)).await.map_err(|_| Status::unavailable("forwarding stopped"))?;
+        rx.await.map_err(|_| Status::unavailable("forwarding stopped"))?
+    }
+
+    /// Forwards a batch of decisions at hop `hop`.
+    ///
+    /// # Errors
+    ///
+    /// As [`Self::allow`].
+    pub async fn allow_batch(
+        &self,
+        requests: Vec<pb::ShouldAllowRequest>,
+        hop: u8,
+    ) -> Result<Vec<pb::ShouldAllowResponse>, Status> {
+        let r = with_hop(pb::ShouldAllowBatchRequest { requests }, hop, self.timeout);
+        Ok(self.native.clone().should_allow_batch(r).await?.into_inner().responses)
+    }
+
+    /// Forwards a lease call (or leases a slice of a root key) at hop `hop`.
+    ///
+    /// # Errors
+    ///
+    /// As [`Self::allow`].
+    pub async fn lease(&self, req: pb::LeaseRequest, hop: u8) -> Result<pb::LeaseResponse, Status> {
+        Ok(self.native.clone().lease(with_hop(req, hop, self.timeout)).await?.into_inner())
+    }
+
+    /// Forwards a cost report.
+    ///
+    /// # Errors
+    ///
+    /// As [`Self::allow`].
+    pub async fn report_cost(
+        &self,
+        req: pb::ReportCostRequest,
+        hop: u8,
+    ) -> Result<pb::ReportCostResponse, Status> {
+        Ok(self.native.clone().report_cost(with_hop(req, hop, self.timeout)).await?.into_inner())
+    }
+
+    /// Forwards an Envoy request.
+    ///
+    /// # Errors
+    ///
+    /// As [`Self::allow`].
+    pub async fn should_rate_limit(
+        &self,
+        req: rls::RateLimitRequest,
+        hop: u8,
+    ) -> Result<rls::RateLimitResponse, Status> {
+        Ok(self
+            .envoy
+            .clone()
+            .should_rate_limit(with_hop(req, hop, self.timeout))
+            .await?
+            .into_inner())
+    }
+
+    /// The peer's view of the ring (a health check), within `timeout`.
+    ///
+    /// # Errors
+    ///
+    /// As [`Self::allow`].
+    pub async fn topology(&self, timeout: Duration) -> Result<pb::TopologyResponse, Status> {
+        let mut r = Request::new(pb::TopologyRequest::default());
+        r.set_timeout(timeout);
+        Ok(self.native.clone().topology(r).await?.into_inner())
+    }
+
+    /// Sends counters of tenants that now belong to the peer.
+    ///
+    /// # Errors
+    ///
+    /// As [`Self::allow`].
+    pub async fn handoff(&self, req: pb::HandoffRequest, timeout: Duration) -> Result<u64, Status> {
+        let r = with_hop(req, 1, timeout);
+        Ok(self.native.clone().handoff(r).await?.into_inner().accepted)
+    }
+}
+
+/// Sends what is queued for one peer as batches, several in flight.
+async fn batch_loop(
+    client: RateLimiterClient<Channel>,
+    mut rx: mpsc::Receiver<Waiting>,
+    timeout: Duration,
+) {
+    let slots = Arc::new(tokio::sync::Semaphore::new(FORWARDS_IN_FLIGHT));
+    while let Some(first) = rx.recv().await {
+        let Ok(permit) = slots.clone().acquire_owned().await else { return };
+        let mut batch = vec![first];
+        while batch.len() < MAX_FORWARD_BATCH {
+            match rx.try_recv() {
+                Ok(w) => batch.push(w),
+                Err(_) => break,
+            }
+        }
+        let mut client = client.clone();
+        tokio::spawn(async move {
+            let (requests, waiters): (Vec<_>, Vec<_>) = batch.into_iter().unzip();
+            let n = requests.len();
+            let r = with_hop(pb::ShouldAllowBatchRequest { requests }, 1, timeout);
+            match client.should_allow_batch(r).await {
+                Ok(resp) if resp.get_ref().responses.len() == n => {
+                    for (w, answer) in waiters.into_iter().zip(resp.into_inner().responses) {
+                        let _ = w.send(Ok(answer));
+                    }
+                }
+                Ok(_) => {
+                    for w in waiters {
+                        let _ = w.send(Err(Status::internal("peer answered a different count")));
+                    }
+                }
+                Err(status) => {
+                    for w in waiters {
+                        let _ = w.send(Err(status.clone()));
+                    }
+                }
+            }
+            drop(permit);
+        });
+    }
+}
+
+/// Clients of the peers, by address, made on first use.
+#[derive(Debug)]
+pub struct Peers {
+    by_address: Mutex<HashMap<Arc<str>, Peer>>,
+    timeout: Duration,
+}
+
+impl Peers {
+    /// Clients whose calls time out after `timeout`.
+    pub fn new(timeout: Duration) -> Self {
+        Self { by_address: Mutex::default(), timeout }
+    }
+
+    /// The client of the node at `address`.
+    ///
+    /// # Errors
+    ///
+    /// An address that is not `host:port`.
+    pub fn get(&self, address: &str) -> Result<Peer, Status> {
+        let mut map = self.by_address.lock();
+        if let Some(p) = map.get(address) {
+            return Ok(p.clone());
+        }
+        let p = Peer::new(address, self.timeout).map_err(Status::unavailable)?;
+        map.insert(address.into(), p.clone());
+        Ok(p)
+    }
+}

@@ -1,0 +1,506 @@
+//! Slices of root keys: a node that decides a tenant whose chain has a level owned by
+//! another node (the global ceiling, a route-wide limit) leases units of that level
+//! from its owner with the lease protocol the agents use, and spends them locally.
+//!
+//! - A slice is pre-paid: its owner debited it when granting, so what this node
+//!   spends from it can never be spent twice, and every level stays within its
+//!   algorithm's bound.
+//! - Size follows the demand this node aggregates (about two renewal periods of it,
+//!   at least the waiting request's cost); the owner gives at most half of what is
+//!   left, less near the limit.
+//! - Renewal is return-and-replace: the unspent balance goes back with the next
+//!   request, so a node whose demand falls hands its units back within one period.
+//! - A slice is spendable until `sent + hold x (1 - margin)` on this node's clock;
+//!   the owner writes it off only at `granted + hold`, so this node always stops
+//!   first. Agent leases granted from a slice never outlive it.
+//! - When the owner refuses (the level is exhausted), the refusal (reason, scope,
+//!   wait) is remembered for at most a few milliseconds, so a burst of requests does
+//!   not turn into a burst of calls.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use limiter_core::clock::{NANOS_PER_SEC, Nanos};
+use limiter_core::decision::Scope;
+use limiter_core::policy::Chain;
+use limiter_proto::limiter::v1 as pb;
+use parking_lot::Mutex;
+
+use super::ring::{GLOBAL_ROOT, Member, route_root};
+use super::{Cluster, nanos};
+use crate::convert;
+use crate::error::ServerError;
+use crate::metrics as m;
+
+/// A slice's identity: the level's scope and, for a route-wide limit, its route.
+pub type SliceKey = (Scope, Box<str>);
+
+/// A slice is given up this fraction of its hold early.
+const MARGIN_PERMILLE: u64 = 20;
+
+/// A refusal is remembered at most this long.
+const DENIED_FOR: Nanos = 20 * 1_000_000;
+
+/// Demand is measured over periods this long.
+const PERIOD: Nanos = 250 * 1_000_000;
+
+/// One slice held by this node.
+#[derive(Debug, Default, Clone)]
+pub struct Slice {
+    /// The owner's lease id (0: none held).
+    pub lease_id: u64,
+    /// Units left to spend.
+    pub units: u64,
+    /// Units of the last grant.
+    pub granted: u64,
+    /// Spendable until (this node's clock).
+    pub until: Nanos,
+    /// The owner's address.
+    pub owner: Arc<str>,
+    /// A refusal: until when it stands, and when the owner said to retry.
+    pub denied: Option<(Nanos, Nanos)>,
+    /// Units spent in the current period and the period's start.
+    spent: u64,
+    period_start: Nanos,
+    /// Units per second, smoothed.
+    demand: u64,
+    /// Last time a request needed this slice.
+    pub last_used: Nanos,
+}
+
+impl Slice {
+    fn live(&self, now: Nanos) -> bool {
+        self.lease_id != 0 && now < self.until
+    }
+
+    fn note_spend(&mut self, units: u64, now: Nanos) {
+        if now.saturating_sub(self.period_start) >= PERIOD {
+            let elapsed = now.saturating_sub(self.period_start).max(1);
+            let rate = u128::from(self.spent) * u128::from(NANOS_PER_SEC) / u128::from(elapsed);
+            let rate = u64::try_from(rate).unwrap_or(u64::MAX);
+            self.demand = if self.demand == 0 { rate } else { (self.demand + rate) / 2 };
+            self.spent = 0;
+            self.period_start = now;
+        }
+        self.spent = self.spent.saturating_add(units);
+        self.last_used = now;
+    }
+
+    /// Units per second this node spends from the slice.
+    pub fn demand(&self) -> u64 {
+        self.demand.max(self.spent)
+    }
+}
+
+/// What taking units from slices found.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Take {
+    /// Taken from every slice.
+    Taken,
+    /// This slice needs (more) units from its owner.
+    Short(SliceKey),
+    /// This slice's owner refused recently: (the slice, the wait left).
+    Denied(SliceKey, Nanos),
+}
+
+/// The slices this node holds.
+#[derive(Debug, Default)]
+pub struct Slices {
+    held: Mutex<HashMap<SliceKey, Slice>>,
+    fills: Mutex<HashMap<SliceKey, Arc<tokio::sync::Mutex<()>>>>,
+    /// Agent leases funded from slices: agent lease id -> (slice, slice lease id, units).
+    funded: Mutex<HashMap<u64, Vec<(SliceKey, u64)>>>,
+}
+
+/// The hold of a slice granted for `hold`, less the safety margin, from `sent`.
+pub fn spend_until(sent: Nanos, hold: Nanos) -> Nanos {
+    sent + hold - hold / 1000 * MARGIN_PERMILLE
+}
+
+impl Slices {
+    /// Takes `units` from every slice in `keys` at once, or from none.
+    pub fn take(&self, keys: &[SliceKey], units: u64, now: Nanos) -> Take {
+        let mut held = self.held.lock();
+        for k in keys {
+            let s = held.entry(k.clone()).or_default();
+            s.last_used = now;
+            if let Some((until, retry_at)) = s.denied {
+                if now < until {
+                    return Take::Denied(k.clone(), retry_at.saturating_sub(now));
+                }
+                s.denied = None;
+            }
+            if !s.live(now) || s.units < units {
+                return Take::Short(k.clone());
+            }
+        }
+        for k in keys {
+            let s = held.get_mut(k).expect("checked above");
+            s.units -= units;
+            s.note_spend(units, now);
+        }
+        Take::Taken
+    }
+
+    /// Takes up to `want` (at least `min`) units from every slice in `keys`, for an
+    /// agent's lease; returns the units and the slices' end (the lease's hold must
+    /// not pass it), or `Short` / `Denied` like [`Self::take`].
+    pub fn take_up_to(
+        &self,
+        keys: &[SliceKey],
+        want: u64,
+        min: u64,
+        now: Nanos,
+    ) -> Result<(u64, Nanos), Take> {
+        let mut held = self.held.lock();
+        let mut units = want;
+        let mut until = Nanos::MAX;
+        for k in keys {
+            let s = held.entry(k.clone()).or_default();
+            s.last_used = now;
+            if let Some((end, retry_at)) = s.denied
+                && now < end
+            {
+                return Err(Take::Denied(k.clone(), retry_at.saturating_sub(now)));
+            }
+            if !s.live(now) || s.units < min.max(1) {
+                return Err(Take::Short(k.clone()));
+            }
+            units = units.min(s.units);
+            until = until.min(s.until);
+        }
+        for k in keys {
+            let s = held.get_mut(k).expect("checked above");
+            s.units -= units;
+            s.note_spend(units, now);
+        }
+        Ok((units, until))
+    }
+
+    /// Puts back `units` taken from `keys` and not spent (a local level refused).
+    pub fn give_back(&self, keys: &[SliceKey], units: u64, now: Nanos) {
+        let mut held = self.held.lock();
+        for k in keys {
+            if let Some(s) = held.get_mut(k)
+                && s.live(now)
+            {
+                s.units += units;
+                s.spent = s.spent.saturating_sub(units);
+            }
+        }
+    }
+
+    /// The lock that makes one refill of `key` at a time.
+    pub fn fill_lock(&self, key: &SliceKey) -> Arc<tokio::sync::Mutex<()>> {
+        self.fills.lock().entry(key.clone()).or_default().clone()
+    }
+
+    /// Detaches `key`'s balance to return it with the next grant: (lease id, unspent,
+    /// demand per second).
+    pub fn detach(&self, key: &SliceKey, now: Nanos) -> (u64, u64, u64) {
+        let mut held = self.held.lock();
+        let s = held.entry(key.clone()).or_default();
+        let out = (s.lease_id, if s.live(now) { s.units } else { 0 }, s.demand());
+        s.lease_id = 0;
+        s.units = 0;
+        out
+    }
+
+    /// Whether `key` has `units` to spend now (a refill that raced this one may
+    /// already have filled it).
+    pub fn has(&self, key: &SliceKey, units: u64, now: Nanos) -> bool {
+        self.held.lock().get(key).is_some_and(|s| s.live(now) && s.units >= units.max(1))
+    }
+
+    /// Installs a grant for `key`.
+    pub fn install(
+        &self,
+        key: &SliceKey,
+        owner: Arc<str>,
+        lease_id: u64,
+        units: u64,
+        until: Nanos,
+    ) {
+        let mut held = self.held.lock();
+        let s = held.entry(key.clone()).or_default();
+        s.lease_id = lease_id;
+        s.units = units;
+        s.granted = units;
+        s.until = until;
+        s.owner = owner;
+        s.denied = None;
+    }
+
+    /// Records the owner's refusal of `key` for the next `wait` (at most a few ms).
+    pub fn deny(&self, key: &SliceKey, now: Nanos, wait: Nanos) {
+        let mut held = self.held.lock();
+        let s = held.entry(key.clone()).or_default();
+        s.denied = Some((now + wait.min(DENIED_FOR), now + wait));
+    }
+
+    /// Slices due for renewal: low (under a quarter of the last grant), near their
+    /// end, or idle (to be returned: `want` 0).
+    pub fn due(&self, now: Nanos, idle_after: Nanos) -> Vec<(SliceKey, bool)> {
+        let held = self.held.lock();
+        held.iter()
+            .filter(|(_, s)| s.lease_id != 0)
+            .filter_map(|(k, s)| {
+                let idle = now.saturating_sub(s.last_used) >= idle_after;
+                let low = s.units < s.granted / 4;
+                let ending = s.until.saturating_sub(now)
+                    < (s.until.saturating_sub(s.period_start)).min(NANOS_PER_SEC) / 2;
+                (idle || low || ending).then(|| (k.clone(), idle))
+            })
+            .collect()
+    }
+
+    /// Every held slice (at shutdown, to return them).
+    pub fn all(&self) -> Vec<SliceKey> {
+        self.held.lock().iter().filter(|(_, s)| s.lease_id != 0).map(|(k, _)| k.clone()).collect()
+    }
+
+    /// Units held in all slices.
+    pub fn units(&self) -> u64 {
+        self.held.lock().values().map(|s| s.units).sum()
+    }
+
+    /// Records which slices funded agent lease `lease`.
+    pub fn funded(&self, lease: u64, keys: &[SliceKey]) {
+        let held = self.held.lock();
+        let list =
+            keys.iter().map(|k| (k.clone(), held.get(k).map_or(0, |s| s.lease_id))).collect();
+        drop(held);
+        let mut f = self.funded.lock();
+        if f.len() > 100_000 {
+            f.clear();
+        }
+        f.insert(lease, list);
+    }
+
+    /// An agent gave back `units` of lease `lease`: they return to the slices that
+    /// funded it, if those are still the same leases.
+    pub fn returned(&self, lease: u64, units: u64, now: Nanos) {
+        let Some(list) = self.funded.lock().remove(&lease) else { return };
+        if units == 0 {
+            return;
+        }
+        let mut held = self.held.lock();
+        for (k, id) in list {
+            if let Some(s) = held.get_mut(&k)
+                && s.lease_id == id
+                && s.live(now)
+            {
+                s.units += units;
+            }
+        }
+    }
+}
+
+/// Whether a level is a root key (decided by its own owner, not the tenant's).
+pub fn is_root(scope: Scope) -> bool {
+    matches!(scope, Scope::Global | Scope::Route)
+}
+
+/// The ring name of a root level.
+fn root_name(scope: Scope, route: &str) -> String {
+    if scope == Scope::Global { GLOBAL_ROOT.to_owned() } else { route_root(route) }
+}
+
+impl Cluster {
+    /// The root levels of `chain` that another node owns, as slice keys with owners
+    /// (none when counters are shared, or this node is alone).
+    pub fn remote_roots(&self, chain: &Chain<'_>) -> Vec<(SliceKey, Member)> {
+        if !self.stateful || self.ring.load().members().len() <= 1 {
+            return Vec::new();
+        }
+        chain
+            .levels()
+            .filter(|l| is_root(l.scope))
+            .filter_map(|l| {
+                let owner = self.owner_of(&root_name(l.scope, l.key.route));
+                (owner.id != self.me.id).then(|| ((l.scope, l.key.route.into()), owner))
+            })
+            .collect()
+    }
+
+    /// `chain` without the levels in `remote` (what this node's own counters decide).
+    pub fn local_chain<'a>(chain: &Chain<'a>, remote: &[(SliceKey, Member)]) -> Chain<'a> {
+        if remote.is_empty() {
+            return *chain;
+        }
+        chain.retain_levels(|l| {
+            !remote.iter().any(|((s, r), _)| *s == l.scope && **r == *l.key.route)
+        })
+    }
+
+    /// Asks `owner` for a fresh slice of `key` (returning what is left of the old
+    /// one), unless a concurrent refill already made `cost` available.
+    ///
+    /// # Errors
+    ///
+    /// `Unavailable` when the owner cannot be reached or no longer owns the key.
+    pub async fn refill(
+        &self,
+        key: &SliceKey,
+        owner: &Member,
+        tenant: &str,
+        cost: u64,
+    ) -> Result<(), ServerError> {
+        let lock = self.slices.fill_lock(key);
+        let _one = lock.lock().await;
+        let now = self.clock.now();
+        if self.slices.has(key, cost, now) {
+            return Ok(());
+        }
+        let (lease_id, unspent, demand) = self.slices.detach(key, now);
+        let ttl = nanos(self.config.slice_ttl);
+        // About half a second of this node's demand, at least the waiting request.
+        let want = (demand / 2).max(cost).max(1);
+        let item = pb::LeaseItem {
+            tenant: tenant.to_owned(),
+            route: if key.1.is_empty() { "-".to_owned() } else { key.1.to_string() },
+            key: String::new(),
+            lease_id,
+            unspent,
+            want,
+            cost,
+            demand_per_sec: demand,
+            level: convert::scope(key.0).into(),
+        };
+        let req = pb::LeaseRequest {
+            agent_id: format!("node:{}", self.me.id),
+            items: vec![item],
+            epoch: self.ring.load().epoch,
+        };
+        let sent = self.clock.now();
+        let answer = match self.peer(owner) {
+            Ok(p) => p.lease(req, 1).await,
+            Err(e) => Err(e),
+        };
+        let grant = match answer {
+            Ok(r) => r.grants.into_iter().next(),
+            Err(e) => {
+                metrics::counter!(m::SLICE_CALLS, "outcome" => "unreachable").increment(1);
+                return Err(ServerError::Unavailable(format!(
+                    "root owner {}: {}",
+                    owner.id,
+                    e.message()
+                )));
+            }
+        };
+        let Some(grant) = grant.filter(|g| g.redirect.is_empty()) else {
+            metrics::counter!(m::SLICE_CALLS, "outcome" => "redirected").increment(1);
+            return Err(ServerError::Unavailable(format!("root owner {} moved", owner.id)));
+        };
+        if grant.units >= cost && grant.lease_id != 0 {
+            let hold = grant.hold.map_or(ttl, |d| convert::nanos_of(&d)).min(ttl);
+            self.slices.install(
+                key,
+                owner.address.clone(),
+                grant.lease_id,
+                grant.units,
+                spend_until(sent, hold),
+            );
+            metrics::counter!(m::SLICE_CALLS, "outcome" => "granted").increment(1);
+        } else {
+            let wait = grant
+                .decision
+                .as_ref()
+                .and_then(|d| d.retry_after.as_ref())
+                .map_or(1_000_000, convert::nanos_of);
+            self.slices.deny(key, self.clock.now(), wait);
+            metrics::counter!(m::SLICE_CALLS, "outcome" => "refused").increment(1);
+        }
+        #[allow(clippy::cast_precision_loss)] // gauge value
+        metrics::gauge!(m::SLICE_UNITS).set(self.slices.units() as f64);
+        Ok(())
+    }
+
+    /// Renews slices that are low or ending and returns idle ones (background).
+    pub async fn renew_slices(&self, tenant_hint: &str) {
+        let now = self.clock.now();
+        for (key, idle) in self.slices.due(now, 2 * PERIOD * 4) {
+            let owner = self.owner_of(&root_name(key.0, &key.1));
+            if idle {
+                self.return_slice(&key, &owner).await;
+            } else if let Err(e) = self.refill(&key, &owner, tenant_hint, 1).await {
+                tracing::debug!("slice renewal: {e}");
+            }
+        }
+    }
+
+    /// Returns every slice (at drain).
+    pub async fn return_slices(&self) {
+        for key in self.slices.all() {
+            let owner = self.owner_of(&root_name(key.0, &key.1));
+            self.return_slice(&key, &owner).await;
+        }
+    }
+
+    async fn return_slice(&self, key: &SliceKey, owner: &Member) {
+        let lock = self.slices.fill_lock(key);
+        let _one = lock.lock().await;
+        let (lease_id, unspent, _) = self.slices.detach(key, self.clock.now());
+        if lease_id == 0 || owner.id == self.me.id {
+            return;
+        }
+        let item = pb::LeaseItem {
+            tenant: "-".to_owned(),
+            route: if key.1.is_empty() { "-".to_owned() } else { key.1.to_string() },
+            lease_id,
+            unspent,
+            level: convert::scope(key.0).into(),
+            ..Default::default()
+        };
+        let req = pb::LeaseRequest {
+            agent_id: format!("node:{}", self.me.id),
+            items: vec![item],
+            epoch: self.ring.load().epoch,
+        };
+        if let Ok(p) = self.peer(owner) {
+            let _ = p.lease(req, 1).await;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn key() -> SliceKey {
+        (Scope::Global, "".into())
+    }
+
+    #[test]
+    fn takes_all_or_nothing_and_gives_back() {
+        let s = Slices::default();
+        let k = [key(), (Scope::Route, "/a".into())];
+        assert_eq!(s.take(&k, 1, 0), Take::Short(key()));
+        s.install(&k[0], "x".into(), 1, 10, 100);
+        assert_eq!(s.take(&k, 1, 0), Take::Short(k[1].clone()));
+        s.install(&k[1], "x".into(), 2, 3, 100);
+        assert_eq!(s.take(&k, 3, 0), Take::Taken);
+        assert_eq!(s.take(&k, 1, 0), Take::Short(k[1].clone()));
+        s.give_back(&k, 2, 1);
+        assert_eq!(s.take(&k, 2, 1), Take::Taken);
+        // Past its end a slice is spent, whatever is left.
+        assert_eq!(s.take(&k[..1], 1, 100), Take::Short(key()));
+    }
+
+    #[test]
+    fn a_refusal_stands_briefly_and_returns_credit_only_the_same_lease() {
+        let s = Slices::default();
+        s.deny(&key(), 0, 5_000_000);
+        assert!(matches!(s.take(&[key()], 1, 1), Take::Denied(..)));
+        assert_eq!(s.take(&[key()], 1, 6_000_000), Take::Short(key()));
+        s.install(&key(), "x".into(), 7, 10, 1_000_000_000);
+        assert_eq!(s.take_up_to(&[key()], 4, 1, 10), Ok((4, 1_000_000_000)));
+        s.funded(99, &[key()]);
+        s.returned(99, 3, 20);
+        assert!(s.has(&key(), 9, 20));
+        s.funded(100, &[key()]);
+        s.install(&key(), "x".into(), 8, 1, 1_000_000_000);
+        s.returned(100, 5, 30);
+        assert!(!s.has(&key(), 2, 30), "units of an older slice are not credited");
+    }
+}

@@ -1,0 +1,291 @@
+//! Routing by ownership: each request is decided by its tenant's owner. A node that
+//! is not the owner forwards the request once (single decisions queued per peer and
+//! sent as batches); the owner answers, or names the node that owns the tenant in its
+//! own view, and that node is asked once more and must answer (hop 2): never a loop.
+//! When the owner cannot be reached, the route's failure policy decides here.
+
+use std::sync::Arc;
+
+use limiter_core::policy::Request;
+use limiter_proto::limiter::v1 as pb;
+
+use crate::cluster::ring::{GLOBAL_ROOT, Member, route_root};
+use crate::cluster::{Cluster, Placement};
+use crate::convert;
+use crate::error::ServerError;
+use crate::metrics::{self as m, Api};
+use crate::owner::{Outcome, Owner};
+
+fn counted(api: Api, outcome: &'static str) {
+    metrics::counter!(m::FORWARDS, "api" => api.as_str(), "outcome" => outcome).increment(1);
+}
+
+/// Where a request for `name` goes: `None` decides here; `Some(Err(owner))` answers
+/// "moved" (a forwarded call this node does not own); `Some(Ok(owner))` forwards.
+pub async fn target(cluster: &Cluster, name: &str, hop: u8) -> Option<Result<Member, Member>> {
+    if hop >= 2 || cluster.is_single() {
+        return None;
+    }
+    match cluster.settle(name).await {
+        Placement::Remote(owner) if hop == 1 => Some(Err(owner)),
+        Placement::Remote(owner) => Some(Ok(owner)),
+        _ => None,
+    }
+}
+
+async fn decide_here(
+    owner: &Owner,
+    reqs: &[pb::ShouldAllowRequest],
+    idx: &[usize],
+    unreachable: bool,
+) -> Result<Vec<Outcome>, (usize, ServerError)> {
+    let mut out = Vec::with_capacity(idx.len());
+    let later = idx.iter().any(|&i| reqs[i].report_later);
+    if !later {
+        let core: Vec<Request<'_>> = idx.iter().map(|&i| convert::request(&reqs[i])).collect();
+        return owner
+            .decide_with(Api::Native, &core, false, false, unreachable)
+            .await
+            .map_err(|(j, e)| (idx[j], e));
+    }
+    for &i in idx {
+        let core = convert::request(&reqs[i]);
+        let o = owner
+            .decide_with(
+                Api::Native,
+                std::slice::from_ref(&core),
+                false,
+                reqs[i].report_later,
+                unreachable,
+            )
+            .await
+            .map_err(|(_, e)| (i, e))?;
+        out.extend(o);
+    }
+    Ok(out)
+}
+
+/// Decides `reqs` (arrived at hop `hop`), each by its tenant's owner.
+///
+/// # Errors
+///
+/// The first request that can never succeed, by index.
+pub async fn should_allow(
+    owner: &Arc<Owner>,
+    reqs: &[pb::ShouldAllowRequest],
+    hop: u8,
+) -> Result<Vec<pb::ShouldAllowResponse>, (usize, ServerError)> {
+    let Some(cluster) = owner.cluster().filter(|c| !c.is_single()) else {
+        let all: Vec<usize> = (0..reqs.len()).collect();
+        return Ok(decide_here(owner, reqs, &all, false)
+            .await?
+            .iter()
+            .map(convert::response)
+            .collect());
+    };
+    // Refuse what can never succeed here, before anything is forwarded.
+    owner.validate(reqs.iter().map(convert::request))?;
+    let mut out: Vec<Option<pb::ShouldAllowResponse>> = vec![None; reqs.len()];
+    let mut here = Vec::new();
+    let mut away: Vec<(Member, Vec<usize>)> = Vec::new();
+    for (i, r) in reqs.iter().enumerate() {
+        match target(cluster, &r.tenant, hop).await {
+            None => here.push(i),
+            Some(Err(o)) => {
+                out[i] = Some(pb::ShouldAllowResponse {
+                    moved_to: o.address.to_string(),
+                    ..Default::default()
+                });
+            }
+            Some(Ok(o)) => match away.iter_mut().find(|(m, _)| m.id == o.id) {
+                Some((_, v)) => v.push(i),
+                None => away.push((o, vec![i])),
+            },
+        }
+    }
+    let mut unreachable = Vec::new();
+    let mut redirected: Vec<(usize, String)> = Vec::new();
+    for (member, idx) in away {
+        let answers = forward(cluster, &member, reqs, &idx).await;
+        match answers {
+            Ok(answers) => {
+                for (&i, a) in idx.iter().zip(answers) {
+                    if a.moved_to.is_empty() {
+                        out[i] = Some(a);
+                    } else {
+                        redirected.push((i, a.moved_to));
+                    }
+                }
+                counted(Api::Native, "answered");
+            }
+            Err(e) => {
+                tracing::debug!(peer = %member.id, "forward failed: {e}");
+                counted(Api::Native, "unreachable");
+                unreachable.extend(idx);
+            }
+        }
+    }
+    for (i, to) in redirected {
+        counted(Api::Native, "redirected");
+        if *to == *cluster.me().address {
+            here.push(i);
+            continue;
+        }
+        let answer = match cluster.peers().get(&to) {
+            Ok(p) => p.allow_batch(vec![reqs[i].clone()], 2).await.ok().and_then(|mut v| v.pop()),
+            Err(_) => None,
+        };
+        match answer {
+            Some(a) if a.moved_to.is_empty() => out[i] = Some(a),
+            _ => unreachable.push(i),
+        }
+    }
+    here.sort_unstable();
+    for (i, o) in here.iter().zip(decide_here(owner, reqs, &here, false).await?) {
+        out[*i] = Some(convert::response(&o));
+    }
+    unreachable.sort_unstable();
+    for (i, o) in unreachable.iter().zip(decide_here(owner, reqs, &unreachable, true).await?) {
+        out[*i] = Some(convert::response(&o));
+    }
+    Ok(out.into_iter().map(Option::unwrap_or_default).collect())
+}
+
+async fn forward(
+    cluster: &Cluster,
+    member: &Member,
+    reqs: &[pb::ShouldAllowRequest],
+    idx: &[usize],
+) -> Result<Vec<pb::ShouldAllowResponse>, tonic::Status> {
+    let peer = cluster.peer(member)?;
+    if let [i] = idx {
+        return Ok(vec![peer.allow(reqs[*i].clone()).await?]);
+    }
+    let batch: Vec<_> = idx.iter().map(|&i| reqs[i].clone()).collect();
+    let answers = peer.allow_batch(batch, 1).await?;
+    if answers.len() == idx.len() {
+        Ok(answers)
+    } else {
+        Err(tonic::Status::internal("peer answered a different count"))
+    }
+}
+
+/// The ring name a lease item is owned under: its tenant, or a root key's name.
+fn lease_name(item: &pb::LeaseItem) -> String {
+    match convert::scope_from(item.level) {
+        Some(limiter_core::Scope::Global) => GLOBAL_ROOT.to_owned(),
+        Some(limiter_core::Scope::Route) => route_root(&item.route),
+        _ => item.tenant.clone(),
+    }
+}
+
+/// Handles a lease call (arrived at hop `hop`): items this node owns are granted
+/// here, the others forwarded to their owners (or, for a caller that routes by an
+/// older ring, answered with the owner's address).
+///
+/// # Errors
+///
+/// An item that can never succeed, by index.
+pub async fn lease(
+    owner: &Arc<Owner>,
+    req: &pb::LeaseRequest,
+    hop: u8,
+) -> Result<Vec<pb::LeaseGrant>, (usize, ServerError)> {
+    let Some(cluster) = owner.cluster().filter(|c| !c.is_single()) else {
+        return owner.lease(&req.agent_id, &req.items).await;
+    };
+    let epoch = cluster.ring().epoch;
+    let mut out: Vec<Option<pb::LeaseGrant>> = vec![None; req.items.len()];
+    let mut here = Vec::new();
+    let mut away: Vec<(Member, Vec<usize>)> = Vec::new();
+    for (i, item) in req.items.iter().enumerate() {
+        match target(cluster, &lease_name(item), hop).await {
+            None => here.push(i),
+            Some(Ok(o)) if req.epoch == 0 => match away.iter_mut().find(|(m, _)| m.id == o.id) {
+                Some((_, v)) => v.push(i),
+                None => away.push((o, vec![i])),
+            },
+            Some(Ok(o) | Err(o)) => {
+                out[i] =
+                    Some(pb::LeaseGrant { redirect: o.address.to_string(), ..Default::default() });
+            }
+        }
+    }
+    let mut failed = Vec::new();
+    for (member, idx) in away {
+        let sub = pb::LeaseRequest {
+            agent_id: req.agent_id.clone(),
+            items: idx.iter().map(|&i| req.items[i].clone()).collect(),
+            epoch: 0,
+        };
+        let answer = match cluster.peer(&member) {
+            Ok(p) => p.lease(sub, 1).await.map(|r| r.grants),
+            Err(e) => Err(e),
+        };
+        match answer {
+            Ok(grants) if grants.len() == idx.len() => {
+                counted(Api::Lease, "answered");
+                for (&i, g) in idx.iter().zip(grants) {
+                    if g.redirect.is_empty() {
+                        out[i] = Some(g);
+                    } else if *g.redirect == *cluster.me().address {
+                        here.push(i);
+                    } else {
+                        counted(Api::Lease, "redirected");
+                        let again = pb::LeaseRequest {
+                            agent_id: req.agent_id.clone(),
+                            items: vec![req.items[i].clone()],
+                            epoch: 0,
+                        };
+                        let r = match cluster.peers().get(&g.redirect) {
+                            Ok(p) => p
+                                .lease(again, 2)
+                                .await
+                                .ok()
+                                .and_then(|r| r.grants.into_iter().next()),
+                            Err(_) => None,
+                        };
+                        match r {
+                            Some(g) if g.redirect.is_empty() => out[i] = Some(g),
+                            _ => failed.push(i),
+                        }
+                    }
+                }
+            }
+            _ => {
+                counted(Api::Lease, "unreachable");
+                failed.extend(idx);
+            }
+        }
+    }
+    here.sort_unstable();
+    if !here.is_empty() {
+        let items: Vec<pb::LeaseItem> = here.iter().map(|&i| req.items[i].clone()).collect();
+        let grants = owner.lease(&req.agent_id, &items).await.map_err(|(j, e)| (here[j], e))?;
+        for (&i, g) in here.iter().zip(grants) {
+            out[i] = Some(g);
+        }
+    }
+    // Owners out of reach: nothing to hold; a waiting request gets its route's
+    // failure policy, decided here.
+    for i in failed {
+        let item = &req.items[i];
+        let mut g = pb::LeaseGrant { mode: pb::LeaseMode::Direct.into(), ..Default::default() };
+        if item.cost > 0 && item.level == 0 {
+            let core = Request {
+                tenant: &item.tenant,
+                route: &item.route,
+                key: (!item.key.is_empty()).then_some(item.key.as_str()),
+                cost: Some(item.cost),
+                dry_run: false,
+            };
+            let o = owner
+                .decide_with(Api::Lease, std::slice::from_ref(&core), false, false, true)
+                .await
+                .map_err(|(_, e)| (i, e))?;
+            g.decision = Some(convert::response(&o[0]));
+        }
+        out[i] = Some(g);
+    }
+    Ok(out.into_iter().map(|g| pb::LeaseGrant { epoch, ..g.unwrap_or_default() }).collect())
+}

@@ -1,0 +1,99 @@
+//! Helpers shared by the cluster tests: nodes on loopback ports, gRPC clients and
+//! topology queries.
+
+#![allow(dead_code)] // each test binary uses a different part
+
+use std::net::SocketAddr;
+use std::path::Path;
+use std::time::Duration;
+
+use limiter_proto::limiter::v1 as pb;
+use limiter_proto::limiter::v1::rate_limiter_client::RateLimiterClient;
+use limiter_tests::{ServerProcess, free_addr};
+use tonic::transport::Channel;
+
+/// The server binary built for these tests.
+pub fn bin() -> &'static Path {
+    Path::new(env!("CARGO_BIN_EXE_limiter-server-under-test"))
+}
+
+/// One node's identity and ports (kept across restarts).
+#[derive(Debug, Clone)]
+pub struct Node {
+    pub id: String,
+    pub grpc: SocketAddr,
+    pub admin: SocketAddr,
+}
+
+impl Node {
+    pub fn new(id: &str) -> Self {
+        Self { id: id.to_owned(), grpc: free_addr(), admin: free_addr() }
+    }
+
+    /// `cluster.peers` naming every node.
+    pub fn static_peers(nodes: &[Node]) -> String {
+        nodes.iter().map(|n| format!("{}={}", n.id, n.grpc)).collect::<Vec<_>>().join(",")
+    }
+
+    /// Starts this node with static membership over `peers`, plus `extra` settings.
+    pub fn spawn(&self, policy: &Path, peers: &str, extra: &[(&str, &str)]) -> ServerProcess {
+        let mut env = vec![
+            ("LIMITER__CLUSTER__MEMBERSHIP".to_owned(), "static".to_owned()),
+            ("LIMITER__CLUSTER__PEERS".to_owned(), peers.to_owned()),
+            ("LIMITER__CLUSTER__NODE_ID".to_owned(), self.id.clone()),
+            ("LIMITER__CLUSTER__HEALTH_INTERVAL_MS".to_owned(), "100".to_owned()),
+            ("LIMITER__LIMITS__MAX_BATCH".to_owned(), "10000".to_owned()),
+        ];
+        for (k, v) in extra {
+            env.retain(|(x, _)| x != k);
+            env.push(((*k).to_owned(), (*v).to_owned()));
+        }
+        ServerProcess::spawn(bin(), policy, self.grpc, self.admin, 500, &env)
+    }
+}
+
+/// A client of the node at `addr`.
+pub async fn client(addr: SocketAddr) -> RateLimiterClient<Channel> {
+    let ch = tonic::transport::Endpoint::from_shared(format!("http://{addr}"))
+        .unwrap()
+        .connect_timeout(Duration::from_millis(500))
+        .timeout(Duration::from_secs(5))
+        .connect_lazy();
+    RateLimiterClient::new(ch)
+}
+
+/// Waits until the node sees `n` members (and is ready).
+pub async fn wait_members(c: &mut RateLimiterClient<Channel>, n: usize) -> pb::TopologyResponse {
+    let mut last = None;
+    for _ in 0..300 {
+        if let Ok(t) = c.topology(pb::TopologyRequest::default()).await {
+            let t = t.into_inner();
+            if t.members.len() == n && t.ready {
+                return t;
+            }
+            last = Some(t);
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    panic!("the ring did not reach {n} members: {last:?}");
+}
+
+/// The owners of `tenants` as the node sees them.
+pub async fn owners(c: &mut RateLimiterClient<Channel>, tenants: &[String]) -> Vec<String> {
+    let mut out = Vec::with_capacity(tenants.len());
+    for chunk in tenants.chunks(5_000) {
+        let t =
+            c.topology(pb::TopologyRequest { tenants: chunk.to_vec() }).await.unwrap().into_inner();
+        out.extend(t.owners);
+    }
+    out
+}
+
+/// A request of cost 1 on route `/r`.
+pub fn allow(tenant: &str) -> pb::ShouldAllowRequest {
+    pb::ShouldAllowRequest {
+        tenant: tenant.to_owned(),
+        route: "/r".to_owned(),
+        ..Default::default()
+    }
+}

@@ -209,11 +209,13 @@ impl Owner {
             // Root levels owned elsewhere: the grant comes out of this node's slices
             // and never outlives them.
             let mut from_slices = 0;
+            let mut slices_until = Nanos::MAX;
             if let (false, Some(c)) = (slices.is_empty(), self.cluster()) {
                 match self.take_slices(c, &full, &slices, size, item.cost, &item.tenant).await {
                     Ok((units, until)) => {
                         size = units;
                         from_slices = units;
+                        slices_until = until;
                         hold = hold.min(until.saturating_sub(now));
                     }
                     Err(ServerError::Exhausted(_)) => size = 0,
@@ -262,7 +264,7 @@ impl Owner {
                 hold: g.hold,
             });
             if let (false, Some(c)) = (slices.is_empty(), self.cluster()) {
-                c.slices().funded(id, &slices);
+                c.slices().funded(id, &slices, slices_until);
             }
             grant.lease_id = id;
             grant.units = g.units;

@@ -66,11 +66,43 @@ pub struct Slice {
     demand: u64,
     /// Last time a request needed this slice.
     pub last_used: Nanos,
+    /// Units agents gave back from leases an earlier slice funded: spendable until
+    /// that slice's end (never later), spent first.
+    carry: Vec<(Nanos, u64)>,
 }
 
 impl Slice {
     fn live(&self, now: Nanos) -> bool {
         self.lease_id != 0 && now < self.until
+    }
+
+    /// Units spendable now: the balance and what was carried over.
+    fn available(&mut self, now: Nanos) -> u64 {
+        self.carry.retain(|(until, units)| now < *until && *units > 0);
+        let own = if self.live(now) { self.units } else { 0 };
+        own + self.carry.iter().map(|(_, u)| u).sum::<u64>()
+    }
+
+    /// Spends `n` of what is available (carried units first, soonest ending first);
+    /// returns the earliest end among the units spent.
+    fn spend(&mut self, mut n: u64, now: Nanos) -> Nanos {
+        self.carry.sort_unstable_by_key(|(until, _)| *until);
+        let mut until = Nanos::MAX;
+        for (end, units) in &mut self.carry {
+            if n == 0 {
+                break;
+            }
+            let k = n.min(*units);
+            *units -= k;
+            n -= k;
+            until = until.min(*end);
+        }
+        if n > 0 {
+            self.units -= n;
+            until = until.min(self.until);
+        }
+        self.note_spend(0, now);
+        until
     }
 
     fn note_spend(&mut self, units: u64, now: Nanos) {
@@ -108,8 +140,9 @@ pub enum Take {
 pub struct Slices {
     held: Mutex<HashMap<SliceKey, Slice>>,
     fills: Mutex<HashMap<SliceKey, Arc<tokio::sync::Mutex<()>>>>,
-    /// Agent leases funded from slices: agent lease id -> (slice, slice lease id, units).
-    funded: Mutex<HashMap<u64, Vec<(SliceKey, u64)>>>,
+    /// Agent leases funded from slices: agent lease id -> the slices and until when
+    /// the units they gave may be spent.
+    funded: Mutex<HashMap<u64, (Vec<SliceKey>, Nanos)>>,
 }
 
 /// The hold of a slice granted for `hold`, less the safety margin, from `sent`.
@@ -130,13 +163,13 @@ impl Slices {
                 }
                 s.denied = None;
             }
-            if !s.live(now) || s.units < units {
+            if s.available(now) < units.max(1) {
                 return Take::Short(k.clone());
             }
         }
         for k in keys {
             let s = held.get_mut(k).expect("checked above");
-            s.units -= units;
+            s.spend(units, now);
             s.note_spend(units, now);
         }
         Take::Taken
@@ -163,28 +196,40 @@ impl Slices {
             {
                 return Err(Take::Denied(k.clone(), retry_at.saturating_sub(now)));
             }
-            if !s.live(now) || s.units < min.max(1) {
+            let available = s.available(now);
+            if available < min.max(1) {
                 return Err(Take::Short(k.clone()));
             }
-            units = units.min(s.units);
-            until = until.min(s.until);
+            units = units.min(available);
         }
         for k in keys {
             let s = held.get_mut(k).expect("checked above");
-            s.units -= units;
+            until = until.min(s.spend(units, now));
             s.note_spend(units, now);
         }
         Ok((units, until))
     }
 
-    /// Puts back `units` taken from `keys` and not spent (a local level refused).
+    /// Puts back `units` taken from `keys` at `now` and not spent (a local level
+    /// refused): they may be spent until `until` (what [`Self::take_up_to`] said, or
+    /// the current slice's end for [`Self::take`]).
     pub fn give_back(&self, keys: &[SliceKey], units: u64, now: Nanos) {
+        if units == 0 {
+            return;
+        }
         let mut held = self.held.lock();
         for k in keys {
             if let Some(s) = held.get_mut(k)
                 && s.live(now)
             {
-                s.units += units;
+                // Carried units taken first come back as the slice's own only if
+                // they end no earlier: put them back as carry with the earliest end.
+                let end = s.carry.iter().map(|(u, _)| *u).min().unwrap_or(s.until).min(s.until);
+                if end < s.until {
+                    s.carry.push((end, units));
+                } else {
+                    s.units += units;
+                }
                 s.spent = s.spent.saturating_sub(units);
             }
         }
@@ -209,7 +254,7 @@ impl Slices {
     /// Whether `key` has `units` to spend now (a refill that raced this one may
     /// already have filled it).
     pub fn has(&self, key: &SliceKey, units: u64, now: Nanos) -> bool {
-        self.held.lock().get(key).is_some_and(|s| s.live(now) && s.units >= units.max(1))
+        self.held.lock().get_mut(key).is_some_and(|s| s.available(now) >= units.max(1))
     }
 
     /// Installs a grant for `key`.
@@ -264,34 +309,27 @@ impl Slices {
         self.held.lock().values().map(|s| s.units).sum()
     }
 
-    /// Records which slices funded agent lease `lease`.
-    pub fn funded(&self, lease: u64, keys: &[SliceKey]) {
-        let held = self.held.lock();
-        let list =
-            keys.iter().map(|k| (k.clone(), held.get(k).map_or(0, |s| s.lease_id))).collect();
-        drop(held);
+    /// Records that slices `keys` funded agent lease `lease` with units spendable
+    /// until `until`.
+    pub fn funded(&self, lease: u64, keys: &[SliceKey], until: Nanos) {
         let mut f = self.funded.lock();
         if f.len() > 100_000 {
             f.clear();
         }
-        f.insert(lease, list);
+        f.insert(lease, (keys.to_vec(), until));
     }
 
-    /// An agent gave back `units` of lease `lease`: they return to the slices that
-    /// funded it, if those are still the same leases.
+    /// An agent gave back `units` of lease `lease`: they can be spent here again
+    /// until the end of the slices that funded them (carried over even when those
+    /// slices have been renewed since; never beyond their end).
     pub fn returned(&self, lease: u64, units: u64, now: Nanos) {
-        let Some(list) = self.funded.lock().remove(&lease) else { return };
-        if units == 0 {
+        let Some((keys, until)) = self.funded.lock().remove(&lease) else { return };
+        if units == 0 || now >= until {
             return;
         }
         let mut held = self.held.lock();
-        for (k, id) in list {
-            if let Some(s) = held.get_mut(&k)
-                && s.lease_id == id
-                && s.live(now)
-            {
-                s.units += units;
-            }
+        for k in keys {
+            held.entry(k).or_default().carry.push((until, units));
         }
     }
 }
@@ -495,12 +533,17 @@ mod tests {
         assert_eq!(s.take(&[key()], 1, 6_000_000), Take::Short(key()));
         s.install(&key(), "x".into(), 7, 10, 1_000_000_000);
         assert_eq!(s.take_up_to(&[key()], 4, 1, 10), Ok((4, 1_000_000_000)));
-        s.funded(99, &[key()]);
+        s.funded(99, &[key()], 1_000_000_000);
         s.returned(99, 3, 20);
         assert!(s.has(&key(), 9, 20));
-        s.funded(100, &[key()]);
-        s.install(&key(), "x".into(), 8, 1, 1_000_000_000);
+        // Renewed: what agents return from the old slice stays spendable until the
+        // old slice's end, and is spent first.
+        s.funded(100, &[key()], 500);
+        s.install(&key(), "x".into(), 8, 1, 2_000_000_000);
         s.returned(100, 5, 30);
-        assert!(!s.has(&key(), 2, 30), "units of an older slice are not credited");
+        assert!(s.has(&key(), 6, 30));
+        assert_eq!(s.take_up_to(&[key()], 2, 1, 40), Ok((2, 500)), "carried units end first");
+        assert!(s.has(&key(), 4, 499));
+        assert!(!s.has(&key(), 5, 500), "carried units end with their slice");
     }
 }

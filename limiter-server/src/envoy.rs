@@ -223,6 +223,7 @@ impl EnvoyService {
         cluster: &crate::cluster::Cluster,
         owner: &crate::cluster::ring::Member,
         req: &rls::RateLimitRequest,
+        tenant: &str,
     ) -> Result<Option<rls::RateLimitResponse>, ()> {
         use crate::cluster::peers::moved_to;
         let peer = cluster.peer(owner).map_err(|_| ())?;
@@ -231,7 +232,11 @@ impl EnvoyService {
             Err(s) => moved_to(&s).ok_or(())?,
         };
         if *to == *cluster.me().address {
-            return Ok(None);
+            // Decide here only if this node's own view agrees that it owns the tenant.
+            return match cluster.settle(tenant).await {
+                crate::cluster::Placement::Remote(_) => Err(()),
+                _ => Ok(None),
+            };
         }
         let peer = cluster.peers().get(&to).map_err(|_| ())?;
         peer.should_rate_limit(req.clone(), 2).await.map(Some).map_err(|_| ())
@@ -287,11 +292,13 @@ impl RateLimitService for EnvoyService {
         if let Some(cluster) = self.owner.cluster() {
             match crate::routing::target(cluster, core[0].tenant, hop).await {
                 Some(Err(owner)) => return Err(crate::cluster::peers::moved(&owner.address)),
-                Some(Ok(owner)) => match self.forward(cluster, &owner, &req).await {
-                    Ok(Some(answer)) => return Ok(Response::new(answer)),
-                    Ok(None) => {}
-                    Err(()) => unreachable = true,
-                },
+                Some(Ok(owner)) => {
+                    match self.forward(cluster, &owner, &req, core[0].tenant).await {
+                        Ok(Some(answer)) => return Ok(Response::new(answer)),
+                        Ok(None) => {}
+                        Err(()) => unreachable = true,
+                    }
+                }
                 None => {}
             }
         }

@@ -216,12 +216,7 @@ impl Owner {
         now: Nanos,
     ) -> Result<(Verdict, Charged), ServerError> {
         let Some(cluster) = &self.cluster else { return self.store.decide(req, chain, now).await };
-        if cluster.fenced(req.tenant, now) {
-            metrics::counter!(m::FENCED_DECISIONS).increment(1);
-            return Err(ServerError::Unavailable(
-                "the tenant is fenced after its owner's loss".into(),
-            ));
-        }
+        let _held = cluster.hold(req.tenant).await?;
         let remote = cluster.remote_roots(chain);
         if remote.is_empty() {
             return self.store.decide(req, chain, now).await;

@@ -128,7 +128,13 @@ pub async fn should_allow(
     for (i, to) in redirected {
         counted(Api::Native, "redirected");
         if *to == *cluster.me().address {
-            here.push(i);
+            // Named the owner by a node whose view differs: decide here only if this
+            // node's own view agrees; otherwise neither holds the counters for sure.
+            if matches!(cluster.settle(&reqs[i].tenant).await, Placement::Remote(_)) {
+                unreachable.push(i);
+            } else {
+                here.push(i);
+            }
             continue;
         }
         let answer = match cluster.peers().get(&to) {
@@ -229,7 +235,12 @@ pub async fn lease(
                     if g.redirect.is_empty() {
                         out[i] = Some(g);
                     } else if *g.redirect == *cluster.me().address {
-                        here.push(i);
+                        let name = lease_name(&req.items[i]);
+                        if matches!(cluster.settle(&name).await, Placement::Remote(_)) {
+                            failed.push(i);
+                        } else {
+                            here.push(i);
+                        }
                     } else {
                         counted(Api::Lease, "redirected");
                         let again = pb::LeaseRequest {

@@ -69,7 +69,7 @@ impl ServerProcess {
             .env("LIMITER__LISTEN", grpc.to_string())
             .env("LIMITER__ADMIN_LISTEN", admin.to_string())
             .env("LIMITER__SHUTDOWN__DRAIN_DELAY_MS", drain_ms.to_string())
-            .env("RUST_LOG", if log { "info" } else { "warn" })
+            .env("RUST_LOG", if log { "info,limiter_server::cluster=debug" } else { "warn" })
             .envs(env.iter().map(|(k, v)| (k, v)))
             .stdout(Stdio::null())
             .stderr(if log { Stdio::inherit() } else { Stdio::null() })

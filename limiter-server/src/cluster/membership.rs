@@ -98,19 +98,25 @@ async fn run_static(owner: &Arc<Owner>, peers: &[Peer], cancel: CancellationToke
             () = cancel.cancelled() => return,
             _ = tick.tick() => {}
         }
-        let checks = others.iter().map(|m| {
+        // Every peer at once, each within the interval (at least 200 ms: a check
+        // that is merely slow under load is not a failure).
+        let timeout = cfg.health_interval.max(Duration::from_millis(200));
+        let mut checks = tokio::task::JoinSet::new();
+        for (i, m) in others.iter().enumerate() {
             let peer = cluster.peer(m);
-            let timeout = cfg.health_interval.max(Duration::from_millis(50));
-            async move {
-                match peer {
+            checks.spawn(async move {
+                let ok = match peer {
                     Ok(p) => matches!(p.topology(timeout).await, Ok(t) if !t.draining),
                     Err(_) => false,
-                }
+                };
+                (i, ok)
+            });
+        }
+        let mut results = vec![false; others.len()];
+        while let Some(r) = checks.join_next().await {
+            if let Ok((i, ok)) = r {
+                results[i] = ok;
             }
-        });
-        let mut results = Vec::with_capacity(others.len());
-        for c in checks {
-            results.push(c.await);
         }
         let mut members = Vec::new();
         if !cluster.draining() {
@@ -119,7 +125,17 @@ async fn run_static(owner: &Arc<Owner>, peers: &[Peer], cancel: CancellationToke
         for (m, ok) in others.iter().zip(results) {
             let h = health.entry(m.id.clone()).or_default();
             match h.live {
-                None => h.live = Some(ok),
+                // A first answer counts at once; a first failure must repeat
+                // `fail_after` times (a node that joins with a wrong view would take
+                // tenants that are not its own).
+                None if ok => h.live = Some(true),
+                None => {
+                    h.streak += 1;
+                    if h.streak >= cfg.fail_after {
+                        h.live = Some(false);
+                        h.streak = 0;
+                    }
+                }
                 Some(live) if live == ok => h.streak = 0,
                 Some(live) => {
                     h.streak += 1;
@@ -134,6 +150,10 @@ async fn run_static(owner: &Arc<Owner>, peers: &[Peer], cancel: CancellationToke
             if h.live == Some(true) {
                 members.push(m.clone());
             }
+        }
+        if health.values().any(|h| h.live.is_none()) {
+            // Not every peer is known yet: do not join with a partial view.
+            continue;
         }
         cluster.refreshed();
         let ring = cluster.ring();

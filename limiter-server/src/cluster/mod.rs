@@ -98,6 +98,8 @@ pub struct Cluster {
     transitions: Mutex<Vec<Transition>>,
     /// Complete handoffs received, by sender, and when.
     handoffs: Mutex<HashMap<Arc<str>, Nanos>>,
+    /// Nodes that handed everything off because they are leaving, and when.
+    left: Mutex<HashMap<Arc<str>, Nanos>>,
     draining: AtomicBool,
     joined: AtomicBool,
     /// When the membership source last answered (for the view-age gauge).
@@ -107,6 +109,9 @@ pub struct Cluster {
     /// How long a dead node's tenants are fenced.
     fence: Nanos,
     slices: slices::Slices,
+    /// Decisions on this node's counters hold it shared; taking counters away for a
+    /// handoff holds it exclusively, so no decision runs on counters being moved.
+    gate: tokio::sync::RwLock<()>,
 }
 
 impl std::fmt::Debug for Cluster {
@@ -147,12 +152,14 @@ impl Cluster {
         Self {
             peers: Peers::new(config.forward_timeout),
             slices: slices::Slices::default(),
+            gate: tokio::sync::RwLock::new(()),
             me,
             stateful,
             ring: ArcSwap::from_pointee(ring),
             moving: ArcSwap::from_pointee(None),
             transitions: Mutex::default(),
             handoffs: Mutex::default(),
+            left: Mutex::default(),
             draining: AtomicBool::new(false),
             joined: AtomicBool::new(single),
             refreshed: Mutex::new(clock.now()),
@@ -238,14 +245,21 @@ impl Cluster {
                 return Placement::Wait { until: now + nanos(self.config.handoff_timeout) };
             }
         }
+        let transitions = self.transitions.lock();
         if owner.id != self.me.id {
+            // The owner handed its tenants over because it is leaving, and this node
+            // has not seen it go yet: the ones it sent here are decided here.
+            let changed = transitions.last().map_or(0, |t| t.at);
+            let left = self.left.lock().get(&owner.id).is_some_and(|at| *at > changed);
+            if left && ring.without(&owner.id).owner(name).is_some_and(|o| o.id == self.me.id) {
+                return Placement::Local;
+            }
             return Placement::Remote(owner.clone());
         }
         if !self.stateful {
             return Placement::Local;
         }
         let handoff = nanos(self.config.handoff_timeout);
-        let transitions = self.transitions.lock();
         for t in transitions.iter().rev() {
             let Some(before) = t.before.owner(name) else { continue };
             if before.id == self.me.id || t.after.owner(name).is_none_or(|a| a.id != self.me.id) {
@@ -270,8 +284,25 @@ impl Cluster {
         Placement::Local
     }
 
-    /// Like [`Self::place`], waiting out handoffs on their way.
+    /// Waits (at most the handoff timeout) until this node has joined the ring: before
+    /// its first view it cannot know which tenants are its own. False if it has not.
+    async fn wait_joined(&self) -> bool {
+        let deadline = self.clock.now() + nanos(self.config.handoff_timeout);
+        while !self.joined() {
+            if self.clock.now() >= deadline {
+                return false;
+            }
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        true
+    }
+
+    /// Like [`Self::place`], waiting out handoffs on their way (and this node's
+    /// joining the ring).
     pub async fn settle(&self, name: &str) -> Placement {
+        if !self.wait_joined().await {
+            return Placement::Fenced { until: self.clock.now() };
+        }
         loop {
             let now = self.clock.now();
             match self.place(name, now) {
@@ -291,6 +322,55 @@ impl Cluster {
     /// Whether `tenant` is fenced now (its requests follow the failure policy).
     pub fn fenced(&self, tenant: &str, now: Nanos) -> bool {
         self.stateful && matches!(self.place(tenant, now), Placement::Fenced { .. })
+    }
+
+    /// Holds off handoffs while a decision runs on this node's counters, once
+    /// `tenant`'s counters are here (waiting out a handoff on its way). `Err` when
+    /// they are not (fenced, or moved away since the request was routed): the
+    /// route's failure policy decides.
+    ///
+    /// # Errors
+    ///
+    /// `Unavailable` with the reason.
+    pub async fn hold(
+        &self,
+        tenant: &str,
+    ) -> Result<Option<tokio::sync::RwLockReadGuard<'_, ()>>, crate::error::ServerError> {
+        if !self.stateful || self.is_single() {
+            return Ok(None);
+        }
+        if !self.wait_joined().await {
+            return Err(crate::error::ServerError::Unavailable(
+                "this node has not joined the ring yet".into(),
+            ));
+        }
+        loop {
+            let guard = self.gate.read().await;
+            let now = self.clock.now();
+            match self.place(tenant, now) {
+                Placement::Local => return Ok(Some(guard)),
+                Placement::Wait { until } if now < until => {
+                    drop(guard);
+                    tokio::time::sleep(Duration::from_millis(2)).await;
+                }
+                Placement::Wait { .. } => {
+                    metrics::counter!(m::HANDOFF_TIMEOUTS).increment(1);
+                    return Ok(Some(guard));
+                }
+                Placement::Fenced { .. } => {
+                    metrics::counter!(m::FENCED_DECISIONS).increment(1);
+                    return Err(crate::error::ServerError::Unavailable(
+                        "the tenant is fenced after its owner's loss".into(),
+                    ));
+                }
+                Placement::Remote(o) => {
+                    return Err(crate::error::ServerError::Unavailable(format!(
+                        "the tenant moved to {} while its request was on its way",
+                        o.id
+                    )));
+                }
+            }
+        }
     }
 
     /// Records that the membership source answered.
@@ -341,7 +421,9 @@ impl Cluster {
                 gained.clone()
             };
             if !to.is_empty() {
+                let gate = self.gate.write().await;
                 self.moving.store(Arc::new(Some(new.clone())));
+                drop(gate);
                 let me = self.me.id.clone();
                 let taken = match limiter {
                     Some(l) if !was_alone => l.table().take_where(|k| {
@@ -351,7 +433,7 @@ impl Cluster {
                     }),
                     _ => Vec::new(),
                 };
-                self.hand_off(&new, &to, taken).await;
+                self.hand_off(&new, &to, taken, false).await;
             }
         }
         let now = self.clock.now();
@@ -364,6 +446,7 @@ impl Cluster {
             t.push(Transition { at: now, before, after: new.clone() });
         }
         tracing::info!(
+            node = %self.me.id,
             epoch = new.epoch,
             members = ?new.members().iter().map(|m| &*m.id).collect::<Vec<_>>(),
             "ring changed"
@@ -387,10 +470,12 @@ impl Cluster {
         if target.is_empty() {
             return;
         }
+        let gate = self.gate.write().await;
         self.moving.store(Arc::new(Some(target.clone())));
+        drop(gate);
         if let Some(limiter) = limiter {
             let taken = limiter.table().take_where(|_| true);
-            self.hand_off(&target, target.members(), taken).await;
+            self.hand_off(&target, target.members(), taken, true).await;
         }
         self.ring.store(target);
         self.moving.store(Arc::new(None));
@@ -398,12 +483,19 @@ impl Cluster {
 
     /// Sends `taken` counters to their owners in `target` (one complete message to
     /// each of `to`, even an empty one: it tells the receiver nothing else is coming).
-    async fn hand_off(&self, target: &Ring, to: &[Member], taken: Vec<limiter_core::table::Slot>) {
+    async fn hand_off(
+        &self,
+        target: &Ring,
+        to: &[Member],
+        taken: Vec<limiter_core::table::Slot>,
+        leaving: bool,
+    ) {
         let mut by_owner: HashMap<Arc<str>, Vec<pb::CounterState>> = HashMap::new();
         for slot in taken {
             let Some(owner) = target.owner(&ring_name(slot.key())) else { continue };
             let k = slot.key().as_ref();
             let Ok(state) = serde_json::to_vec(&slot.state) else { continue };
+            tracing::debug!(node = %self.me.id, to = %owner.id, key = %k, state = %String::from_utf8_lossy(&state).chars().take(60).collect::<String>(), "handing off");
             by_owner.entry(owner.id.clone()).or_default().push(pb::CounterState {
                 scope: convert::scope(k.scope).into(),
                 tenant: k.tenant.to_owned(),
@@ -420,6 +512,7 @@ impl Cluster {
                 epoch: target.epoch,
                 counters,
                 complete: true,
+                leaving,
             };
             async move {
                 let sent = match self.peer(member) {
@@ -430,7 +523,7 @@ impl Cluster {
                     Ok(_) => {
                         metrics::counter!(m::HANDOFF_COUNTERS, "direction" => "sent")
                             .increment(n as u64);
-                        tracing::info!(to = %member.id, counters = n, "handed off");
+                        tracing::info!(node = %self.me.id, to = %member.id, counters = n, leaving, "handed off");
                     }
                     Err(e) => {
                         metrics::counter!(m::HANDOFF_FAILURES).increment(1);
@@ -464,7 +557,10 @@ impl Cluster {
         if req.complete {
             self.handoffs.lock().insert(req.from.as_str().into(), now);
         }
-        tracing::info!(from = %req.from, counters = accepted, complete = req.complete, "handoff received");
+        if req.leaving {
+            self.left.lock().insert(req.from.as_str().into(), now);
+        }
+        tracing::info!(node = %self.me.id, from = %req.from, counters = accepted, leaving = req.leaving, "handoff received");
         accepted
     }
 

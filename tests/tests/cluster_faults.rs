@@ -1,0 +1,259 @@
+//! Planned and unplanned changes under load, with three real server processes: a
+//! rolling restart (SIGTERM, wait, start) of every node, and a node killed with
+//! SIGKILL whose tenants are fenced, then served again by their new owners.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::Duration;
+
+use limiter_proto::limiter::v1 as pb;
+use limiter_proto::limiter::v1::rate_limiter_client::RateLimiterClient;
+use limiter_tests::ServerProcess;
+use parking_lot::Mutex;
+use tokio::time::Instant;
+use tonic::transport::Channel;
+
+mod common;
+use common::*;
+
+/// A client that knows every node and tries the next one when a node does not
+/// answer (what a gateway behind a load balancer does): `None` when none answered.
+async fn ask(
+    clients: &[RateLimiterClient<Channel>],
+    first: usize,
+    req: &pb::ShouldAllowRequest,
+) -> Option<pb::ShouldAllowResponse> {
+    for k in 0..clients.len() {
+        let mut c = clients[(first + k) % clients.len()].clone();
+        if let Ok(r) = c.should_allow(req.clone()).await {
+            return Some(r.into_inner());
+        }
+    }
+    None
+}
+
+const ROLLING: &str = r"
+version: 1
+lease: { ttl: 1s }
+on_limiter_failure: { mode: fail_closed }
+unknown_tenants: use_default
+routes:
+  /r: {}
+tenants:
+  default:
+    limit: { algorithm: sliding_log, limit: 50, window: 1h }
+";
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rolling_restart_under_load_fails_nothing_and_overshoots_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let policy = dir.path().join("policies.yaml");
+    std::fs::write(&policy, ROLLING).unwrap();
+    let nodes: Vec<Node> = ["a", "b", "c"].iter().map(|id| Node::new(id)).collect();
+    let peers = Node::static_peers(&nodes);
+    let mut procs: Vec<ServerProcess> =
+        nodes.iter().map(|n| n.spawn(&policy, &peers, &[])).collect();
+    for (p, n) in procs.iter().zip(&nodes) {
+        p.wait_ready().await;
+        wait_members(&mut client(n.grpc).await, 3).await;
+    }
+    let mut clients = Vec::new();
+    for n in &nodes {
+        clients.push(client(n.grpc).await);
+    }
+    let tenants: Vec<String> = (0..20).map(|k| format!("tenant-{k}")).collect();
+    let admitted: Arc<Mutex<HashMap<String, u64>>> = Arc::default();
+    let (sent, failed, fallback) =
+        (Arc::new(AtomicU64::new(0)), Arc::new(AtomicU64::new(0)), Arc::new(AtomicU64::new(0)));
+    let stop = Arc::new(AtomicBool::new(false));
+    // 200 requests per second over 20 tenants, 4 workers, every node in turn.
+    let mut load = Vec::new();
+    for w in 0..4 {
+        let (clients, tenants, admitted) = (clients.clone(), tenants.clone(), admitted.clone());
+        let (sent, failed, fallback, stop) =
+            (sent.clone(), failed.clone(), fallback.clone(), stop.clone());
+        load.push(tokio::spawn(async move {
+            let mut i = w;
+            let mut tick = tokio::time::interval(Duration::from_millis(20));
+            while !stop.load(Ordering::Relaxed) {
+                tick.tick().await;
+                i += 4;
+                let tenant = &tenants[i % tenants.len()];
+                let r = ask(&clients, i % 3, &allow(tenant)).await;
+                sent.fetch_add(1, Ordering::Relaxed);
+                match r {
+                    None => {
+                        failed.fetch_add(1, Ordering::Relaxed);
+                    }
+                    Some(r) => {
+                        if r.allowed {
+                            *admitted.lock().entry(tenant.clone()).or_default() += 1;
+                        }
+                        if r.reason == pb::Reason::LimiterUnavailable as i32 {
+                            fallback.fetch_add(1, Ordering::Relaxed);
+                        }
+                    }
+                }
+            }
+        }));
+    }
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    for i in 0..3 {
+        let started = Instant::now();
+        procs[i].terminate();
+        assert!(
+            procs[i].wait_exit(Duration::from_secs(10)).await,
+            "node {} did not stop",
+            nodes[i].id
+        );
+        procs[i] = nodes[i].spawn(&policy, &peers, &[]);
+        procs[i].wait_ready().await;
+        for n in &nodes {
+            wait_members(&mut client(n.grpc).await, 3).await;
+        }
+        println!("node {} restarted in {:?}", nodes[i].id, started.elapsed());
+        tokio::time::sleep(Duration::from_secs(1)).await;
+    }
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    stop.store(true, Ordering::Relaxed);
+    for l in load {
+        l.await.unwrap();
+    }
+    let admitted = admitted.lock().clone();
+    let total: u64 = admitted.values().sum();
+    println!(
+        "rolling restart: {} requests, {} failed, {} answered by the failure policy, {total} admitted \
+         (at most {} allowed); per tenant: {:?}",
+        sent.load(Ordering::Relaxed),
+        failed.load(Ordering::Relaxed),
+        fallback.load(Ordering::Relaxed),
+        50 * tenants.len(),
+        admitted.values().collect::<Vec<_>>()
+    );
+    assert_eq!(failed.load(Ordering::Relaxed), 0, "every request got an answer");
+    for (t, n) in &admitted {
+        assert!(*n <= 50, "{t} admitted {n} of 50: overshoot");
+    }
+    assert!(total >= 50 * tenants.len() as u64 * 9 / 10, "the limits were used: {total}");
+}
+
+/// When a request was answered, whether on the fail-open route, whether admitted,
+/// and the reason.
+type Answer = (Duration, bool, bool, i32);
+
+const KILL: &str = r"
+version: 1
+lease: { ttl: 1s }
+unknown_tenants: use_default
+routes:
+  /open:
+    on_limiter_failure: { mode: fail_open, emergency_ceiling: 10/s }
+  /closed:
+    on_limiter_failure: { mode: fail_closed }
+tenants:
+  default:
+    limit: { algorithm: token_bucket, rate: 20/s, burst: 20 }
+";
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_killed_nodes_tenants_are_fenced_then_served_by_their_new_owners() {
+    let dir = tempfile::tempdir().unwrap();
+    let policy = dir.path().join("policies.yaml");
+    std::fs::write(&policy, KILL).unwrap();
+    let nodes: Vec<Node> = ["a", "b", "c"].iter().map(|id| Node::new(id)).collect();
+    let peers = Node::static_peers(&nodes);
+    // Fence: the longest lease or slice TTL (1 s leases, 2 s slices): 2 s.
+    let extra = [("LIMITER__CLUSTER__SLICE_TTL_MS", "2000")];
+    let mut procs: Vec<ServerProcess> =
+        nodes.iter().map(|n| n.spawn(&policy, &peers, &extra)).collect();
+    for (p, n) in procs.iter().zip(&nodes) {
+        p.wait_ready().await;
+        wait_members(&mut client(n.grpc).await, 3).await;
+    }
+    let mut a = client(nodes[0].grpc).await;
+    let tenants: Vec<String> = (0..30).map(|k| format!("tenant-{k}")).collect();
+    let owners = owners(&mut a, &tenants).await;
+    let victims: Vec<String> =
+        tenants.iter().zip(&owners).filter(|(_, o)| *o == "c").map(|(t, _)| t.clone()).collect();
+    assert!(!victims.is_empty());
+    let survivors = vec![client(nodes[0].grpc).await, client(nodes[1].grpc).await];
+
+    // Each victim tenant is asked 50 times a second on each route (over its 20/s).
+    let start = Instant::now();
+    let killed_at = Duration::from_secs(3);
+    let log: Arc<Mutex<Vec<Answer>>> = Arc::default();
+    let stop = Arc::new(AtomicBool::new(false));
+    let mut load = Vec::new();
+    for (w, tenant) in victims.iter().enumerate() {
+        for open in [true, false] {
+            let (survivors, log, stop, tenant) =
+                (survivors.clone(), log.clone(), stop.clone(), tenant.clone());
+            load.push(tokio::spawn(async move {
+                let mut tick = tokio::time::interval(Duration::from_millis(20));
+                let mut i = w;
+                let route = if open { "/open" } else { "/closed" };
+                while !stop.load(Ordering::Relaxed) {
+                    tick.tick().await;
+                    i += 1;
+                    let req = pb::ShouldAllowRequest {
+                        tenant: tenant.clone(),
+                        route: route.to_owned(),
+                        ..Default::default()
+                    };
+                    let r = ask(&survivors, i % 2, &req).await.expect("a survivor answers");
+                    log.lock().push((start.elapsed(), open, r.allowed, r.reason));
+                }
+            }));
+        }
+    }
+    tokio::time::sleep(killed_at).await;
+    procs[2].kill();
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    stop.store(true, Ordering::Relaxed);
+    for l in load {
+        l.await.unwrap();
+    }
+    let log = log.lock().clone();
+    let fence = Duration::from_secs(2);
+    // Detection: 3 failed checks 100 ms apart, plus one interval of slack.
+    let detection = Duration::from_millis(400);
+    let recovered = log
+        .iter()
+        .filter(|(t, open, allowed, _)| *t > killed_at && !*open && *allowed)
+        .map(|(t, ..)| *t - killed_at)
+        .min()
+        .expect("the closed route is served again");
+    let closed_meanwhile = log
+        .iter()
+        .filter(|(t, open, allowed, _)| {
+            *t > killed_at && *t < killed_at + fence && !*open && *allowed
+        })
+        .count();
+    // Until the fence ends (it starts only at detection), every decision for these
+    // tenants is the failure policy's.
+    let open_meanwhile = log
+        .iter()
+        .filter(|(t, open, allowed, _)| {
+            *t > killed_at && *t < killed_at + fence && *open && *allowed
+        })
+        .count() as f64;
+    // Documented bound: every node that decides by the failure policy admits at
+    // most its emergency ceiling (10/s, burst 10) for the route.
+    let bound = 2.0 * (10.0 * fence.as_secs_f64() + 10.0);
+    let normal = victims.len() as f64 * 20.0 * fence.as_secs_f64();
+    println!(
+        "kill -9 of c ({} tenants): served again after {recovered:?} (fence {fence:?} + detection); \
+         fail_closed admitted {closed_meanwhile} meanwhile; fail_open admitted {open_meanwhile} \
+         in the fence's first {fence:?} (bound {bound:.0}; their own limits would have allowed {normal:.0})",
+        victims.len()
+    );
+    assert_eq!(closed_meanwhile, 0, "a fail_closed route admitted during the fence");
+    assert!(recovered >= fence, "served before the fence ended: {recovered:?}");
+    assert!(
+        recovered <= fence + detection + Duration::from_millis(1_000),
+        "recovery took {recovered:?}"
+    );
+    assert!(open_meanwhile <= bound, "fail_open admitted {open_meanwhile} > {bound}");
+    let _ = procs;
+}

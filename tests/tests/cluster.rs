@@ -2,6 +2,7 @@
 //! the spread of tenants, what moves when a node leaves or joins, forwarding to the
 //! owner, and exactness across nodes.
 
+use limiter_proto::limiter::v1 as pb;
 use limiter_tests::ServerProcess;
 use std::collections::HashMap;
 
@@ -79,6 +80,24 @@ async fn tenants_spread_evenly_move_minimally_and_are_forwarded_once() {
     let decided_b =
         procs[1].as_ref().unwrap().metric("limiter_decisions_total", &["api=\"native\""]).await;
     assert!(decided_b >= 30.0, "b decided all 30: {decided_b}");
+
+    // A caller that routes by the ring and sends to a non-owner with an older epoch
+    // is told the owner instead of being served.
+    let ring = wait_members(&mut clients[0], 3).await;
+    let stale = pb::LeaseRequest {
+        agent_id: "gw".to_owned(),
+        items: vec![pb::LeaseItem {
+            tenant: tenant.clone(),
+            route: "/r".to_owned(),
+            want: 5,
+            cost: 1,
+            ..Default::default()
+        }],
+        epoch: ring.epoch.saturating_sub(1).max(1),
+    };
+    let g = clients[0].lease(stale).await.unwrap().into_inner().grants.remove(0);
+    assert_eq!(g.redirect, nodes[1].grpc.to_string(), "redirected to b");
+    assert_eq!((g.units, g.epoch), (0, ring.epoch));
 
     // Removing c moves only c's tenants.
     procs[2].take().unwrap().kill();

@@ -149,6 +149,33 @@ impl<K: Clone> LeaseBook<K> {
     pub fn totals(&self) -> LeaseTotals {
         self.totals
     }
+
+    /// Removes and returns the open leases whose key `take` accepts (their owner
+    /// hands them to another node): they leave the book neither spent nor returned.
+    pub fn take_where(&mut self, take: impl Fn(&K) -> bool) -> Vec<(u64, LeaseRecord<K>)> {
+        let ids: Vec<u64> =
+            self.open.iter().filter(|(_, r)| take(&r.key)).map(|(id, _)| *id).collect();
+        let mut out = Vec::with_capacity(ids.len());
+        for id in ids {
+            let r = self.open.remove(&id).expect("listed above");
+            self.totals.outstanding -= r.units;
+            self.totals.open -= 1;
+            out.push((id, r));
+        }
+        out
+    }
+
+    /// Takes over lease `id` granted by another node (a handoff): its holder settles
+    /// it here. An id already open here is kept (false).
+    pub fn adopt(&mut self, id: u64, record: LeaseRecord<K>) -> bool {
+        if id == 0 || self.open.contains_key(&id) {
+            return false;
+        }
+        self.totals.outstanding += record.units;
+        self.totals.open += 1;
+        self.open.insert(id, record);
+        true
+    }
 }
 
 #[cfg(test)]
@@ -157,6 +184,24 @@ mod tests {
 
     fn rec(units: u64, at: Nanos) -> LeaseRecord<&'static str> {
         LeaseRecord { holder: 7, key: "k", units, granted_at: at, hold: 100 }
+    }
+
+    #[test]
+    fn leases_move_between_books_and_settle_where_they_arrive() {
+        let mut old = LeaseBook::starting_at(1_000);
+        let mut new = LeaseBook::starting_at(5_000);
+        let a = old.open(rec(10, 0));
+        let b = old.open(LeaseRecord { key: "other", ..rec(3, 0) });
+        let moved = old.take_where(|k| *k == "k");
+        assert_eq!(moved.len(), 1);
+        assert_eq!(old.totals().outstanding, 3);
+        for (id, r) in moved {
+            assert!(new.adopt(id, r));
+        }
+        assert!(!new.adopt(a, rec(1, 0)), "an id already open is kept");
+        assert_ne!(a, b);
+        assert!(matches!(new.settle(a, 7, 50, 4), Settled::Closed { refund: 4, .. }));
+        assert_eq!(old.settle(a, 7, 50, 4), Settled::Unknown);
     }
 
     #[test]

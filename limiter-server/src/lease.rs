@@ -39,10 +39,19 @@ type ChainKey = (Box<str>, Box<str>, Option<Box<str>>);
 const ACTIVE_FOR: Nanos = 2 * NANOS_PER_SEC;
 
 /// The owner's lease state.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct Leases {
     book: Mutex<LeaseBook<ChainKey>>,
     agents: Mutex<HashMap<u64, Nanos>>,
+}
+
+impl Default for Leases {
+    fn default() -> Self {
+        // Ids start at a random point, so leases that move between nodes keep ids
+        // no other node has issued.
+        let first = std::hash::RandomState::new().hash_one(0u64) >> 2;
+        Self { book: Mutex::new(LeaseBook::starting_at(first)), agents: Mutex::default() }
+    }
 }
 
 /// A stable 64-bit id for an agent's name.
@@ -83,6 +92,48 @@ impl Leases {
     /// The book's totals.
     pub fn totals(&self) -> limiter_core::lease::LeaseTotals {
         self.book.lock().totals()
+    }
+
+    /// Removes the open leases whose ring name (tenant, or a root key's name)
+    /// `moving` accepts, as handoff messages with that name.
+    pub fn take_moving(&self, moving: impl Fn(&str) -> bool) -> Vec<pb::LeaseState> {
+        self.book
+            .lock()
+            .take_where(|k| moving(&k.0))
+            .into_iter()
+            .map(|(id, r)| pb::LeaseState {
+                id,
+                holder: r.holder,
+                tenant: r.key.0.to_string(),
+                route: r.key.1.to_string(),
+                key: r.key.2.map(|k| k.to_string()),
+                units: r.units,
+                granted_at: r.granted_at,
+                hold: r.hold,
+            })
+            .collect()
+    }
+
+    /// Takes over leases another node granted; returns how many.
+    pub fn adopt(&self, leases: &[pb::LeaseState]) -> u64 {
+        let mut book = self.book.lock();
+        let mut n = 0;
+        for l in leases {
+            let key = (
+                l.tenant.as_str().into(),
+                l.route.as_str().into(),
+                l.key.as_deref().map(Into::into),
+            );
+            let record = LeaseRecord {
+                holder: l.holder,
+                key,
+                units: l.units,
+                granted_at: l.granted_at,
+                hold: l.hold,
+            };
+            n += u64::from(book.adopt(l.id, record));
+        }
+        n
     }
 
     fn active_agents(&self, agent: u64, now: Nanos) -> u64 {
@@ -254,8 +305,13 @@ impl Owner {
                 grants.push(grant);
                 continue;
             }
-            let key =
-                (item.tenant.as_str().into(), item.route.as_str().into(), req.key.map(Into::into));
+            // Filed under its ring name (a slice: its root key's), so that a move
+            // hands it to the next owner of what it was granted from.
+            let name = match slice_of {
+                Some(level) => crate::cluster::slices::root_name(level, &item.route),
+                None => item.tenant.clone(),
+            };
+            let key = (name.into_boxed_str(), item.route.as_str().into(), req.key.map(Into::into));
             let id = leases.book.lock().open(LeaseRecord {
                 holder,
                 key,

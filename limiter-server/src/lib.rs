@@ -297,7 +297,7 @@ impl Server {
         owner.set_ready(false);
         if let Some(cluster) = owner.cluster().filter(|c| !c.is_single()) {
             // Hand every counter to its next owner, then redirect until the end.
-            cluster.drain(owner.store().limiter()).await;
+            cluster.drain(owner.store().limiter(), owner.leases()).await;
             cluster.return_slices().await;
         }
         health.set_not_serving::<RateLimiterServer<service::NativeService>>().await;

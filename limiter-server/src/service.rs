@@ -178,7 +178,8 @@ impl RateLimiter for NativeService {
             return Err(Status::failed_precondition("this node is not in a cluster"));
         };
         let policy = self.owner.policies().current();
-        let accepted = cluster.receive(&r, self.owner.store().limiter(), &policy.policy);
+        let accepted =
+            cluster.receive(&r, self.owner.store().limiter(), self.owner.leases(), &policy.policy);
         Ok(Response::new(pb::HandoffResponse { accepted }))
     }
 }

@@ -257,3 +257,56 @@ async fn a_killed_nodes_tenants_are_fenced_then_served_by_their_new_owners() {
     assert!(open_meanwhile <= bound, "fail_open admitted {open_meanwhile} > {bound}");
     let _ = procs;
 }
+
+const LEASES: &str = r"
+version: 1
+lease: { ttl: 5s, max_batch: 40 }
+unknown_tenants: use_default
+routes:
+  /r: {}
+tenants:
+  default:
+    limit: { algorithm: sliding_log, limit: 100, window: 1h }
+";
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_draining_owner_hands_its_agents_leases_to_the_next_owner() {
+    use limiter_gateway_agent::{Agent, AgentConfig, AgentRequest};
+    let dir = tempfile::tempdir().unwrap();
+    let policy = dir.path().join("policies.yaml");
+    std::fs::write(&policy, LEASES).unwrap();
+    let nodes: Vec<Node> = ["a", "b"].iter().map(|id| Node::new(id)).collect();
+    let peers = Node::static_peers(&nodes);
+    let mut procs: Vec<ServerProcess> =
+        nodes.iter().map(|n| n.spawn(&policy, &peers, &[])).collect();
+    for (p, n) in procs.iter().zip(&nodes) {
+        p.wait_ready().await;
+        wait_members(&mut client(n.grpc).await, 2).await;
+    }
+    let mut a = client(nodes[0].grpc).await;
+    let tenants: Vec<String> = (0..50).map(|k| format!("tenant-{k}")).collect();
+    let owners = owners(&mut a, &tenants).await;
+    let tenant = tenants.iter().zip(&owners).find(|(_, o)| *o == "b").unwrap().0.clone();
+    // An agent talking to a leases units of b's tenant (forwarded to b).
+    let agent = Agent::new(AgentConfig::new(format!("http://{}", nodes[0].grpc), "gw")).unwrap();
+    let req = AgentRequest { tenant: &tenant, route: "/r", key: None, cost: 1 };
+    for _ in 0..3 {
+        assert!(agent.decide(&req).await.unwrap().allowed);
+    }
+    let probe = pb::ShouldAllowRequest { dry_run: true, ..allow(&tenant) };
+    let held = a.should_allow(probe.clone()).await.unwrap().into_inner().remaining;
+    assert!(held < 97, "the agent holds a lease beyond what it spent: {held} left");
+    // b drains: its counters and the agent's lease go to a.
+    procs[1].terminate();
+    assert!(procs[1].wait_exit(Duration::from_secs(10)).await);
+    wait_members(&mut a, 1).await;
+    // The agent gives back what it did not spend; a settles the lease b granted.
+    agent.shutdown().await;
+    let left = a.should_allow(probe).await.unwrap().into_inner().remaining;
+    println!("lease handed over: {held} left while the agent held it, {left} after it returned it");
+    assert_eq!(left, 97, "exactly the 3 spent units are gone");
+    // a refunded the lease b granted (the book's totals are published every 500 ms).
+    tokio::time::sleep(Duration::from_millis(700)).await;
+    let returned = procs[0].metric("limiter_lease_units_total", &["returned"]).await;
+    assert_eq!(returned, f64::from(u32::try_from(97 - held).unwrap()), "a settled b's lease");
+}

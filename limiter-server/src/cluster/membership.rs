@@ -162,7 +162,9 @@ async fn run_static(owner: &Arc<Owner>, peers: &[Peer], cancel: CancellationToke
         let current: Vec<&str> = ring.members().iter().map(|m| &*m.id).collect();
         if ids != current || !cluster.joined() {
             epoch += 1;
-            cluster.install(Ring::new(epoch, members), owner.store().limiter()).await;
+            cluster
+                .install(Ring::new(epoch, members), owner.store().limiter(), owner.leases())
+                .await;
         }
         cluster.publish();
     }
@@ -259,7 +261,7 @@ async fn run_registry(
                     left = true;
                 }
                 cluster.refreshed();
-                cluster.install(ring, owner.store().limiter()).await;
+                cluster.install(ring, owner.store().limiter(), owner.leases()).await;
             }
             None => {
                 conn = None;

@@ -45,6 +45,7 @@ use self::peers::{Peer, Peers};
 use self::ring::{GLOBAL_ROOT, Member, Ring, route_root};
 use crate::config::{ClusterConfig, Membership};
 use crate::convert;
+use crate::lease::Leases;
 use crate::metrics as m;
 
 /// Where a tenant's (or root key's) requests are decided.
@@ -391,7 +392,7 @@ impl Cluster {
     /// Installs a new ring. Counters of tenants that move to a member that was not in
     /// the old ring are handed to it first (planned moves); this node marks itself
     /// joined once it is in a ring.
-    pub async fn install(&self, new: Ring, limiter: Option<&Limiter>) {
+    pub async fn install(&self, new: Ring, limiter: Option<&Limiter>, leases: &Leases) {
         let old = self.ring.load_full();
         if *old == new {
             return;
@@ -425,15 +426,18 @@ impl Cluster {
                 self.moving.store(Arc::new(Some(new.clone())));
                 drop(gate);
                 let me = self.me.id.clone();
-                let taken = match limiter {
-                    Some(l) if !was_alone => l.table().take_where(|k| {
-                        let name = ring_name(k);
-                        old.owner(&name).is_some_and(|o| o.id == me)
-                            && new.owner(&name).is_some_and(|n| to.iter().any(|g| g.id == n.id))
-                    }),
-                    _ => Vec::new(),
+                let moving = |name: &str| {
+                    old.owner(name).is_some_and(|o| o.id == me)
+                        && new.owner(name).is_some_and(|n| to.iter().any(|g| g.id == n.id))
                 };
-                self.hand_off(&new, &to, taken, false).await;
+                let (taken, leased) = match limiter {
+                    Some(l) if !was_alone => (
+                        l.table().take_where(|k| moving(&ring_name(k))),
+                        leases.take_moving(moving),
+                    ),
+                    _ => (Vec::new(), Vec::new()),
+                };
+                self.hand_off(&new, &to, taken, leased, false).await;
             }
         }
         let now = self.clock.now();
@@ -461,7 +465,7 @@ impl Cluster {
 
     /// Drains: hands every counter to its owner in the ring without this node, then
     /// redirects every request there.
-    pub async fn drain(&self, limiter: Option<&Limiter>) {
+    pub async fn drain(&self, limiter: Option<&Limiter>, leases: &Leases) {
         if self.draining.swap(true, Ordering::Relaxed) {
             return;
         }
@@ -475,7 +479,8 @@ impl Cluster {
         drop(gate);
         if let Some(limiter) = limiter {
             let taken = limiter.table().take_where(|_| true);
-            self.hand_off(&target, target.members(), taken, true).await;
+            let leased = leases.take_moving(|_| true);
+            self.hand_off(&target, target.members(), taken, leased, true).await;
         }
         self.ring.store(target);
         self.moving.store(Arc::new(None));
@@ -488,8 +493,15 @@ impl Cluster {
         target: &Ring,
         to: &[Member],
         taken: Vec<limiter_core::table::Slot>,
+        leased: Vec<pb::LeaseState>,
         leaving: bool,
     ) {
+        let mut leases_of: HashMap<Arc<str>, Vec<pb::LeaseState>> = HashMap::new();
+        for l in leased {
+            if let Some(owner) = target.owner(&l.tenant) {
+                leases_of.entry(owner.id.clone()).or_default().push(l);
+            }
+        }
         let mut by_owner: HashMap<Arc<str>, Vec<pb::CounterState>> = HashMap::new();
         for slot in taken {
             let Some(owner) = target.owner(&ring_name(slot.key())) else { continue };
@@ -513,6 +525,7 @@ impl Cluster {
                 counters,
                 complete: true,
                 leaving,
+                leases: leases_of.remove(&member.id).unwrap_or_default(),
             };
             async move {
                 let sent = match self.peer(member) {
@@ -542,6 +555,7 @@ impl Cluster {
         &self,
         req: &pb::HandoffRequest,
         limiter: Option<&Limiter>,
+        leases: &Leases,
         policy: &Policy,
     ) -> u64 {
         let now = self.clock.now();
@@ -553,6 +567,7 @@ impl Cluster {
                 }
             }
         }
+        let adopted = leases.adopt(&req.leases);
         metrics::counter!(m::HANDOFF_COUNTERS, "direction" => "received").increment(accepted);
         if req.complete {
             self.handoffs.lock().insert(req.from.as_str().into(), now);
@@ -560,7 +575,7 @@ impl Cluster {
         if req.leaving {
             self.left.lock().insert(req.from.as_str().into(), now);
         }
-        tracing::info!(node = %self.me.id, from = %req.from, counters = accepted, leaving = req.leaving, "handoff received");
+        tracing::info!(node = %self.me.id, from = %req.from, counters = accepted, leases = adopted, leaving = req.leaving, "handoff received");
         accepted
     }
 

@@ -340,7 +340,7 @@ pub fn is_root(scope: Scope) -> bool {
 }
 
 /// The ring name of a root level.
-fn root_name(scope: Scope, route: &str) -> String {
+pub fn root_name(scope: Scope, route: &str) -> String {
     if scope == Scope::Global { GLOBAL_ROOT.to_owned() } else { route_root(route) }
 }
 

@@ -21,6 +21,7 @@ pub mod lease;
 pub mod limit;
 pub mod policy;
 pub mod rate;
+pub mod ring;
 pub mod table;
 
 pub use decision::{Binding, Decision, Reason, Scope};

@@ -12,6 +12,7 @@ use limiter_core::clock::{Clock, NANOS_PER_SEC, Nanos};
 use limiter_core::failure::{Breaker, EmergencyCeilings};
 use limiter_core::policy::FailurePolicy;
 use limiter_core::rate::Rate;
+use limiter_core::ring::{Member, Ring};
 use limiter_core::{Decision, Reason, Scope};
 use limiter_proto::limiter::v1 as pb;
 use limiter_proto::limiter::v1::rate_limiter_client::RateLimiterClient;
@@ -341,6 +342,12 @@ struct Inner {
     wake: Arc<tokio::sync::Notify>,
     cancel: CancellationToken,
     stats: [AtomicU64; 4],
+    /// The ring as the owner endpoint last described it (ring routing only).
+    ring: Mutex<Option<Arc<Ring>>>,
+    /// Clients of the ring's members, by address.
+    members: Mutex<HashMap<Arc<str>, RateLimiterClient<Channel>>>,
+    /// Wakes the topology task (a redirect was seen).
+    stale: Arc<tokio::sync::Notify>,
 }
 
 impl Drop for Inner {
@@ -466,8 +473,18 @@ impl Agent {
             wake: Arc::new(tokio::sync::Notify::new()),
             cancel: CancellationToken::new(),
             stats: Default::default(),
+            ring: Mutex::default(),
+            members: Mutex::default(),
+            stale: Arc::new(tokio::sync::Notify::new()),
         });
         tokio::spawn(renew_loop(Arc::downgrade(&inner), inner.wake.clone(), inner.cancel.clone()));
+        if inner.config.route_by_ring {
+            tokio::spawn(topology_loop(
+                Arc::downgrade(&inner),
+                inner.stale.clone(),
+                inner.cancel.clone(),
+            ));
+        }
         Ok(Self { inner })
     }
 
@@ -596,18 +613,15 @@ impl Inner {
     }
 
     /// One call to the owner, with the RPC timeout; counts failures on the breaker.
+    /// With ring routing, one call per owner (at once), each key to its tenant's.
     async fn call(&self, items: Vec<pb::LeaseItem>) -> Result<Vec<pb::LeaseGrant>, tonic::Status> {
         self.stats[CALLS].fetch_add(1, Ordering::Relaxed);
-        let n = items.len();
-        let mut client = self.client.clone();
-        // Epoch 0: this agent sends everything to one node, which forwards each item
-        // to its tenant's owner.
-        let req = pb::LeaseRequest { agent_id: self.config.agent_id.clone(), items, epoch: 0 };
-        let result = match tokio::time::timeout(self.config.rpc_timeout, client.lease(req)).await {
-            Ok(Ok(r)) if r.get_ref().grants.len() == n => Ok(r.into_inner().grants),
-            Ok(Ok(_)) => Err(tonic::Status::internal("owner answered the wrong number of grants")),
-            Ok(Err(s)) => Err(s),
-            Err(_) => Err(tonic::Status::deadline_exceeded("owner did not answer in time")),
+        let ring = self.ring.lock().clone();
+        let result = match ring {
+            Some(ring) => self.call_by_ring(&ring, items).await,
+            // Epoch 0: everything goes to one node, which forwards each item to its
+            // tenant's owner.
+            None => self.send(self.client.clone(), items, 0).await,
         };
         let healthy = match &result {
             Ok(_) => true,
@@ -627,6 +641,102 @@ impl Inner {
             }
         }
         result
+    }
+
+    /// One lease call to one node, within the RPC timeout.
+    async fn send(
+        &self,
+        mut client: RateLimiterClient<Channel>,
+        items: Vec<pb::LeaseItem>,
+        epoch: u64,
+    ) -> Result<Vec<pb::LeaseGrant>, tonic::Status> {
+        let n = items.len();
+        let req = pb::LeaseRequest { agent_id: self.config.agent_id.clone(), items, epoch };
+        match tokio::time::timeout(self.config.rpc_timeout, client.lease(req)).await {
+            Ok(Ok(r)) if r.get_ref().grants.len() == n => Ok(r.into_inner().grants),
+            Ok(Ok(_)) => Err(tonic::Status::internal("owner answered the wrong number of grants")),
+            Ok(Err(s)) => Err(s),
+            Err(_) => Err(tonic::Status::deadline_exceeded("owner did not answer in time")),
+        }
+    }
+
+    /// The client of the node at `address`.
+    fn member(&self, address: &Arc<str>) -> Result<RateLimiterClient<Channel>, tonic::Status> {
+        let mut members = self.members.lock();
+        if let Some(c) = members.get(address) {
+            return Ok(c.clone());
+        }
+        let endpoint = tonic::transport::Endpoint::from_shared(format!("http://{address}"))
+            .map_err(|_| tonic::Status::internal(format!("bad member address {address}")))?
+            .connect_timeout(self.config.rpc_timeout)
+            .tcp_nodelay(true);
+        let c = RateLimiterClient::new(endpoint.connect_lazy());
+        members.insert(address.clone(), c.clone());
+        Ok(c)
+    }
+
+    /// Sends each item to its tenant's owner (one call per owner, all at once). An
+    /// owner that names another (the ring moved) gets the item sent through the
+    /// owner endpoint instead, and the ring is read again.
+    async fn call_by_ring(
+        &self,
+        ring: &Ring,
+        items: Vec<pb::LeaseItem>,
+    ) -> Result<Vec<pb::LeaseGrant>, tonic::Status> {
+        let mut groups: Vec<(Arc<str>, Vec<usize>)> = Vec::new();
+        for (i, item) in items.iter().enumerate() {
+            let Some(owner) = ring.owner(&item.tenant) else {
+                return self.send(self.client.clone(), items, 0).await;
+            };
+            match groups.iter_mut().find(|(a, _)| *a == owner.address) {
+                Some((_, v)) => v.push(i),
+                None => groups.push((owner.address.clone(), vec![i])),
+            }
+        }
+        let mut calls = Vec::with_capacity(groups.len());
+        for (address, idx) in &groups {
+            let client = self.member(address)?;
+            let part: Vec<pb::LeaseItem> = idx.iter().map(|&i| items[i].clone()).collect();
+            calls.push(self.send(client, part, ring.epoch));
+        }
+        let mut out: Vec<Option<pb::LeaseGrant>> = vec![None; items.len()];
+        let mut redirected = Vec::new();
+        // The calls run together; each is bounded by the RPC timeout.
+        let answers = join_all(calls).await;
+        for ((_, idx), answer) in groups.iter().zip(answers) {
+            for (&i, g) in idx.iter().zip(answer?) {
+                if g.redirect.is_empty() {
+                    out[i] = Some(g);
+                } else {
+                    redirected.push(i);
+                }
+            }
+        }
+        if !redirected.is_empty() {
+            self.stale.notify_one();
+            let part: Vec<pb::LeaseItem> = redirected.iter().map(|&i| items[i].clone()).collect();
+            for (&i, g) in redirected.iter().zip(self.send(self.client.clone(), part, 0).await?) {
+                out[i] = Some(g);
+            }
+        }
+        Ok(out.into_iter().map(Option::unwrap_or_default).collect())
+    }
+
+    /// Reads the ring from the owner endpoint (kept as it was when that fails).
+    async fn refresh_ring(&self) {
+        let mut client = self.client.clone();
+        let call = client.topology(pb::TopologyRequest::default());
+        let Ok(Ok(t)) = tokio::time::timeout(self.config.rpc_timeout, call).await else { return };
+        let t = t.into_inner();
+        if t.members.is_empty() || t.hashing != limiter_core::ring::HASHING {
+            return;
+        }
+        let members = t
+            .members
+            .into_iter()
+            .map(|m| Member { id: m.id.into(), address: m.address.into(), weight: m.weight })
+            .collect();
+        *self.ring.lock() = Some(Arc::new(Ring::new(t.epoch, members)));
     }
 
     /// Units to ask for: two renewal intervals of demand, at least `cost`.
@@ -773,6 +883,46 @@ async fn renew_loop(inner: Weak<Inner>, wake: Arc<tokio::sync::Notify>, cancel: 
         }
         let Some(inner) = inner.upgrade() else { return };
         next_due = renew_due(&inner).await;
+    }
+}
+
+/// Runs futures concurrently and collects their outputs in order.
+async fn join_all<F: std::future::Future>(futures: Vec<F>) -> Vec<F::Output> {
+    let mut futures: Vec<_> = futures.into_iter().map(Box::pin).collect();
+    let mut out: Vec<Option<F::Output>> = futures.iter().map(|_| None).collect();
+    std::future::poll_fn(|cx| {
+        let mut pending = false;
+        for (f, o) in futures.iter_mut().zip(out.iter_mut()) {
+            if o.is_none() {
+                match f.as_mut().poll(cx) {
+                    std::task::Poll::Ready(v) => *o = Some(v),
+                    std::task::Poll::Pending => pending = true,
+                }
+            }
+        }
+        if pending { std::task::Poll::Pending } else { std::task::Poll::Ready(()) }
+    })
+    .await;
+    out.into_iter().map(|o| o.expect("every future finished")).collect()
+}
+
+/// Keeps the ring current (ring routing): every `topology_interval`, and at once
+/// after a redirect.
+async fn topology_loop(
+    inner: Weak<Inner>,
+    stale: Arc<tokio::sync::Notify>,
+    cancel: CancellationToken,
+) {
+    loop {
+        let Some(every) = inner.upgrade().map(|i| i.config.topology_interval) else { return };
+        if let Some(i) = inner.upgrade() {
+            i.refresh_ring().await;
+        }
+        tokio::select! {
+            () = cancel.cancelled() => return,
+            () = tokio::time::sleep(every) => {}
+            () = stale.notified() => {}
+        }
     }
 }
 

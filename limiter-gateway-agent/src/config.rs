@@ -29,6 +29,12 @@ pub struct AgentConfig {
     pub routes: HashMap<String, FailurePolicy>,
     /// Failure policy of any other route.
     pub default_failure: FailurePolicy,
+    /// Learn the ring from the owner endpoint's topology call and send each key's
+    /// lease calls straight to its tenant's owner (off: every call goes to `owner`,
+    /// which forwards what it does not own).
+    pub route_by_ring: bool,
+    /// How often the ring is read again (also at once after a redirect).
+    pub topology_interval: Duration,
 }
 
 impl AgentConfig {
@@ -45,7 +51,15 @@ impl AgentConfig {
             idle_after: Duration::from_secs(2),
             routes: HashMap::new(),
             default_failure: FailurePolicy::FailClosed,
+            route_by_ring: false,
+            topology_interval: Duration::from_secs(5),
         }
+    }
+
+    /// Sending lease calls straight to each tenant's owner, by the ring.
+    pub fn with_ring_routing(mut self) -> Self {
+        self.route_by_ring = true;
+        self
     }
 
     /// With a route's local failure policy.

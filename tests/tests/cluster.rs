@@ -3,6 +3,8 @@
 //! owner, and exactness across nodes.
 
 use limiter_proto::limiter::v1 as pb;
+use std::time::Duration;
+
 use limiter_tests::ServerProcess;
 use std::collections::HashMap;
 
@@ -121,4 +123,55 @@ async fn tenants_spread_evenly_move_minimally_and_are_forwarded_once() {
     let share = moved as f64 / 10_000.0;
     println!("d joined: {moved} of 10000 tenants moved ({:.1}%), all to d", share * 100.0);
     assert!((0.22..=0.28).contains(&share), "moved {share}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn agents_that_route_by_the_ring_lease_straight_from_the_owners() {
+    use limiter_gateway_agent::{Agent, AgentConfig, AgentRequest};
+    let dir = tempfile::tempdir().unwrap();
+    let policy = dir.path().join("policies.yaml");
+    std::fs::write(&policy, POLICY.replace("limit: 10, window: 1h", "limit: 1000, window: 1h"))
+        .unwrap();
+    let nodes: Vec<Node> = ["a", "b", "c"].iter().map(|id| Node::new(id)).collect();
+    let peers = Node::static_peers(&nodes);
+    let procs: Vec<ServerProcess> = nodes.iter().map(|n| n.spawn(&policy, &peers, &[])).collect();
+    for (p, n) in procs.iter().zip(&nodes) {
+        p.wait_ready().await;
+        wait_members(&mut client(n.grpc).await, 3).await;
+    }
+    let tenants: Vec<String> = (0..30).map(|k| format!("tenant-{k}")).collect();
+    let entry = format!("http://{}", nodes[0].grpc);
+    let forwards = || async {
+        let mut n = 0.0;
+        for p in &procs {
+            n += p.metric("limiter_forwards_total", &["api=\"lease\""]).await;
+        }
+        n
+    };
+    for by_ring in [false, true] {
+        let mut config = AgentConfig::new(entry.clone(), format!("gw-{by_ring}"));
+        if by_ring {
+            config = config.with_ring_routing();
+        }
+        let agent = Agent::new(config).unwrap();
+        // Let it read the ring.
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        let before = forwards().await;
+        for t in &tenants {
+            for _ in 0..3 {
+                let req = AgentRequest { tenant: t, route: "/r", key: None, cost: 1 };
+                assert!(agent.decide(&req).await.unwrap().allowed);
+            }
+        }
+        agent.shutdown().await;
+        let forwarded = forwards().await - before;
+        println!(
+            "agent routing by the ring: {by_ring}: {forwarded} lease calls forwarded between nodes"
+        );
+        if by_ring {
+            assert_eq!(forwarded, 0.0, "every call went straight to its owner");
+        } else {
+            assert!(forwarded > 0.0, "the entry node forwarded what it does not own");
+        }
+    }
 }

@@ -209,19 +209,46 @@ impl Owner {
                 grants.push(grant);
                 continue;
             }
-            if let (Some(_), Some(c)) = (slice_of, self.cluster())
-                && c.fenced(&item.tenant, now)
-            {
-                // A root key fenced after its owner's loss: nothing new is granted.
-                grant.decision = Some(self.refusal(&chain, now, 1_000_000));
-                grants.push(grant);
-                continue;
-            }
+            // The counters must be here: not fenced after their owner's loss (nothing
+            // new is granted then), not moving away. Held until the grant is made.
+            let name = match slice_of {
+                Some(level) => crate::cluster::slices::root_name(level, &item.route),
+                None => item.tenant.clone(),
+            };
+            let mut held = match self.cluster() {
+                Some(c) => match c.hold(&name).await {
+                    Ok(guard) => guard,
+                    Err(_) => {
+                        grant.mode = pb::LeaseMode::Direct.into();
+                        if slice_of.is_some() {
+                            grant.decision = Some(self.refusal(&chain, now, 1_000_000));
+                        } else if item.cost > 0 {
+                            // The waiting request: its route's failure policy.
+                            let outcome = self
+                                .decide_with(
+                                    Api::Lease,
+                                    std::slice::from_ref(&req),
+                                    false,
+                                    false,
+                                    true,
+                                )
+                                .await
+                                .map_err(|(_, e)| (i, e))?;
+                            grant.decision = Some(convert::response(&outcome[0]));
+                        }
+                        grants.push(grant);
+                        continue;
+                    }
+                },
+                None => None,
+            };
             let remaining = self.store().remaining(&chain, now).await.map_err(|e| (i, e))?;
             let need = item.cost.max(1);
             let exact = chain.route.lease.exact && slice_of.is_none();
             if exact || (slice_of.is_none() && remaining < need.saturating_mul(active)) {
                 grant.mode = pb::LeaseMode::Direct.into();
+                // Deciding takes the gate itself.
+                drop(held.take());
                 if item.cost > 0 {
                     let outcome = self
                         .decide(Api::Lease, std::slice::from_ref(&req), false, false)
@@ -296,6 +323,7 @@ impl Owner {
                     grants.push(grant);
                     continue;
                 }
+                drop(held.take());
                 let probe = Request { dry_run: item.cost == 0, ..req };
                 let outcome = self
                     .decide(Api::Lease, &[probe], false, false)
@@ -307,10 +335,6 @@ impl Owner {
             }
             // Filed under its ring name (a slice: its root key's), so that a move
             // hands it to the next owner of what it was granted from.
-            let name = match slice_of {
-                Some(level) => crate::cluster::slices::root_name(level, &item.route),
-                None => item.tenant.clone(),
-            };
             let key = (name.into_boxed_str(), item.route.as_str().into(), req.key.map(Into::into));
             let id = leases.book.lock().open(LeaseRecord {
                 holder,
@@ -326,6 +350,7 @@ impl Owner {
             grant.units = g.units;
             grant.hold = Some(convert::duration(g.hold));
             grants.push(grant);
+            drop(held);
         }
         Ok(grants)
     }

@@ -302,19 +302,11 @@ impl RateLimitService for EnvoyService {
                 None => {}
             }
         }
-        let outcomes =
-            self.owner.decide_with(Api::Envoy, &core, true, false, unreachable).await.map_err(
-                |(i, e)| {
-                    Owner::count_invalid(Api::Envoy, &e);
-                    match e {
-                        ServerError::Unavailable(_) => Status::from(e),
-                        e => Status::invalid_argument(format!(
-                            "descriptors[{i}]: {}",
-                            Status::from(e).message()
-                        )),
-                    }
-                },
-            )?;
+        let outcomes = self
+            .owner
+            .decide_with(Api::Envoy, &core, true, false, unreachable)
+            .await
+            .map_err(|(i, e)| crate::error::element_status(Api::Envoy, "descriptors", i, e))?;
         Ok(Response::new(answer(&outcomes)))
     }
 }

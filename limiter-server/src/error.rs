@@ -72,3 +72,22 @@ impl From<ServerError> for tonic::Status {
         }
     }
 }
+
+/// The status of element `i` of a call's `list` (`requests`, `descriptors`,
+/// `items`) that failed, counted as refused for `api`: `UNAVAILABLE` stays what it
+/// is, anything else is `INVALID_ARGUMENT` naming the element.
+pub fn element_status(
+    api: crate::metrics::Api,
+    list: &str,
+    i: usize,
+    e: ServerError,
+) -> tonic::Status {
+    crate::owner::Owner::count_invalid(api, &e);
+    match e {
+        ServerError::Unavailable(_) => e.into(),
+        e => tonic::Status::invalid_argument(format!(
+            "{list}[{i}]: {}",
+            tonic::Status::from(e).message()
+        )),
+    }
+}

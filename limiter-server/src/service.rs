@@ -7,7 +7,7 @@ use pb::rate_limiter_server::RateLimiter;
 use tonic::{Request, Response, Status};
 
 use crate::cluster::peers::{hop_of, moved, moved_to};
-use crate::error::ServerError;
+use crate::error::{ServerError, element_status};
 use crate::metrics::Api;
 use crate::owner::Owner;
 use crate::routing;
@@ -64,17 +64,9 @@ impl RateLimiter for NativeService {
                 "at least one request is required",
             )));
         }
-        let responses =
-            routing::should_allow(&self.owner, &batch.requests, hop).await.map_err(|(i, e)| {
-                Owner::count_invalid(Api::Native, &e);
-                match e {
-                    ServerError::Unavailable(_) => Status::from(e),
-                    e => Status::invalid_argument(format!(
-                        "requests[{i}]: {}",
-                        Status::from(e).message()
-                    )),
-                }
-            })?;
+        let responses = routing::should_allow(&self.owner, &batch.requests, hop)
+            .await
+            .map_err(|(i, e)| element_status(Api::Native, "requests", i, e))?;
         Ok(Response::new(pb::ShouldAllowBatchResponse { responses }))
     }
 
@@ -131,10 +123,9 @@ impl RateLimiter for NativeService {
         if r.agent_id.is_empty() {
             return Err(refuse(ServerError::invalid("agent_id", "must not be empty")));
         }
-        let grants = routing::lease(&self.owner, &r, hop).await.map_err(|(i, e)| {
-            Owner::count_invalid(Api::Lease, &e);
-            Status::invalid_argument(format!("items[{i}]: {}", Status::from(e).message()))
-        })?;
+        let grants = routing::lease(&self.owner, &r, hop)
+            .await
+            .map_err(|(i, e)| element_status(Api::Lease, "items", i, e))?;
         Ok(Response::new(pb::LeaseResponse { grants }))
     }
 

@@ -95,12 +95,7 @@ impl ServerProcess {
 
     /// The body of a GET on the admin port.
     pub async fn get(&self, path: &str) -> Option<String> {
-        let mut s = tokio::net::TcpStream::connect(self.admin).await.ok()?;
-        let req = format!("GET {path} HTTP/1.0\r\nHost: x\r\n\r\n");
-        s.write_all(req.as_bytes()).await.ok()?;
-        let mut buf = Vec::new();
-        s.read_to_end(&mut buf).await.ok()?;
-        let text = String::from_utf8_lossy(&buf).into_owned();
+        let text = self.http_get(path).await?;
         Some(text.split_once("\r\n\r\n").map_or(text.clone(), |(_, b)| b.to_owned()))
     }
 
@@ -132,14 +127,19 @@ impl ServerProcess {
         format!("http://{}", self.grpc)
     }
 
-    /// The HTTP status of a GET on the admin port, or `None` when it does not answer.
-    pub async fn status(&self, path: &str) -> Option<u16> {
+    /// The whole answer to a GET on the admin port, or `None` when it does not answer.
+    async fn http_get(&self, path: &str) -> Option<String> {
         let mut s = tokio::net::TcpStream::connect(self.admin).await.ok()?;
         let req = format!("GET {path} HTTP/1.0\r\nHost: x\r\n\r\n");
         s.write_all(req.as_bytes()).await.ok()?;
         let mut buf = Vec::new();
         s.read_to_end(&mut buf).await.ok()?;
-        String::from_utf8_lossy(&buf).split(' ').nth(1)?.parse().ok()
+        Some(String::from_utf8_lossy(&buf).into_owned())
+    }
+
+    /// The HTTP status of a GET on the admin port, or `None` when it does not answer.
+    pub async fn status(&self, path: &str) -> Option<u16> {
+        self.http_get(path).await?.split(' ').nth(1)?.parse().ok()
     }
 
     /// Kills the process at once (SIGKILL), like a crash.

@@ -129,16 +129,8 @@ async fn tenants_spread_evenly_move_minimally_and_are_forwarded_once() {
 async fn agents_that_route_by_the_ring_lease_straight_from_the_owners() {
     use limiter_gateway_agent::{Agent, AgentConfig, AgentRequest};
     let dir = tempfile::tempdir().unwrap();
-    let policy = dir.path().join("policies.yaml");
-    std::fs::write(&policy, POLICY.replace("limit: 10, window: 1h", "limit: 1000, window: 1h"))
-        .unwrap();
-    let nodes: Vec<Node> = ["a", "b", "c"].iter().map(|id| Node::new(id)).collect();
-    let peers = Node::static_peers(&nodes);
-    let procs: Vec<ServerProcess> = nodes.iter().map(|n| n.spawn(&policy, &peers, &[])).collect();
-    for (p, n) in procs.iter().zip(&nodes) {
-        p.wait_ready().await;
-        wait_members(&mut client(n.grpc).await, 3).await;
-    }
+    let policy = POLICY.replace("limit: 10, window: 1h", "limit: 1000, window: 1h");
+    let (_, nodes, procs) = start_nodes(dir.path(), &policy, &["a", "b", "c"], &[]).await;
     let tenants: Vec<String> = (0..30).map(|k| format!("tenant-{k}")).collect();
     let entry = format!("http://{}", nodes[0].grpc);
     let forwards = || async {

@@ -33,15 +33,7 @@ const RATE: f64 = 1000.0;
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_global_ceiling_holds_across_three_nodes_and_ten_agents() {
     let dir = tempfile::tempdir().unwrap();
-    let policy = dir.path().join("policies.yaml");
-    std::fs::write(&policy, POLICY).unwrap();
-    let nodes: Vec<Node> = ["a", "b", "c"].iter().map(|id| Node::new(id)).collect();
-    let peers = Node::static_peers(&nodes);
-    let procs: Vec<_> = nodes.iter().map(|n| n.spawn(&policy, &peers, &[])).collect();
-    for (p, n) in procs.iter().zip(&nodes) {
-        p.wait_ready().await;
-        wait_members(&mut client(n.grpc).await, 3).await;
-    }
+    let (_, nodes, procs) = start_nodes(dir.path(), POLICY, &["a", "b", "c"], &[]).await;
     // Ten agents, each talking to one node (agents 0, 3, 6, 9 to a).
     let agents: Vec<Arc<Agent>> = (0..10)
         .map(|i| {

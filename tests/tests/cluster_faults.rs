@@ -9,7 +9,6 @@ use std::time::Duration;
 
 use limiter_proto::limiter::v1 as pb;
 use limiter_proto::limiter::v1::rate_limiter_client::RateLimiterClient;
-use limiter_tests::ServerProcess;
 use parking_lot::Mutex;
 use tokio::time::Instant;
 use tonic::transport::Channel;
@@ -48,16 +47,8 @@ tenants:
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_rolling_restart_under_load_fails_nothing_and_overshoots_nothing() {
     let dir = tempfile::tempdir().unwrap();
-    let policy = dir.path().join("policies.yaml");
-    std::fs::write(&policy, ROLLING).unwrap();
-    let nodes: Vec<Node> = ["a", "b", "c"].iter().map(|id| Node::new(id)).collect();
+    let (policy, nodes, mut procs) = start_nodes(dir.path(), ROLLING, &["a", "b", "c"], &[]).await;
     let peers = Node::static_peers(&nodes);
-    let mut procs: Vec<ServerProcess> =
-        nodes.iter().map(|n| n.spawn(&policy, &peers, &[])).collect();
-    for (p, n) in procs.iter().zip(&nodes) {
-        p.wait_ready().await;
-        wait_members(&mut client(n.grpc).await, 3).await;
-    }
     let mut clients = Vec::new();
     for n in &nodes {
         clients.push(client(n.grpc).await);
@@ -159,18 +150,9 @@ tenants:
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_killed_nodes_tenants_are_fenced_then_served_by_their_new_owners() {
     let dir = tempfile::tempdir().unwrap();
-    let policy = dir.path().join("policies.yaml");
-    std::fs::write(&policy, KILL).unwrap();
-    let nodes: Vec<Node> = ["a", "b", "c"].iter().map(|id| Node::new(id)).collect();
-    let peers = Node::static_peers(&nodes);
     // Fence: the longest lease or slice TTL (1 s leases, 2 s slices): 2 s.
     let extra = [("LIMITER__CLUSTER__SLICE_TTL_MS", "2000")];
-    let mut procs: Vec<ServerProcess> =
-        nodes.iter().map(|n| n.spawn(&policy, &peers, &extra)).collect();
-    for (p, n) in procs.iter().zip(&nodes) {
-        p.wait_ready().await;
-        wait_members(&mut client(n.grpc).await, 3).await;
-    }
+    let (_, nodes, mut procs) = start_nodes(dir.path(), KILL, &["a", "b", "c"], &extra).await;
     let mut a = client(nodes[0].grpc).await;
     let tenants: Vec<String> = (0..30).map(|k| format!("tenant-{k}")).collect();
     let owners = owners(&mut a, &tenants).await;
@@ -273,16 +255,7 @@ tenants:
 async fn a_draining_owner_hands_its_agents_leases_to_the_next_owner() {
     use limiter_gateway_agent::{Agent, AgentConfig, AgentRequest};
     let dir = tempfile::tempdir().unwrap();
-    let policy = dir.path().join("policies.yaml");
-    std::fs::write(&policy, LEASES).unwrap();
-    let nodes: Vec<Node> = ["a", "b"].iter().map(|id| Node::new(id)).collect();
-    let peers = Node::static_peers(&nodes);
-    let mut procs: Vec<ServerProcess> =
-        nodes.iter().map(|n| n.spawn(&policy, &peers, &[])).collect();
-    for (p, n) in procs.iter().zip(&nodes) {
-        p.wait_ready().await;
-        wait_members(&mut client(n.grpc).await, 2).await;
-    }
+    let (_, nodes, mut procs) = start_nodes(dir.path(), LEASES, &["a", "b"], &[]).await;
     let mut a = client(nodes[0].grpc).await;
     let tenants: Vec<String> = (0..50).map(|k| format!("tenant-{k}")).collect();
     let owners = owners(&mut a, &tenants).await;

@@ -97,3 +97,23 @@ pub fn allow(tenant: &str) -> pb::ShouldAllowRequest {
         ..Default::default()
     }
 }
+
+/// Writes `policy` to a file in `dir`, starts nodes `ids` with static membership over
+/// all of them (plus `extra` settings), and waits until each is ready and sees them all.
+pub async fn start_nodes(
+    dir: &Path,
+    policy: &str,
+    ids: &[&str],
+    extra: &[(&str, &str)],
+) -> (std::path::PathBuf, Vec<Node>, Vec<ServerProcess>) {
+    let file = dir.join("policies.yaml");
+    std::fs::write(&file, policy).unwrap();
+    let nodes: Vec<Node> = ids.iter().map(|id| Node::new(id)).collect();
+    let peers = Node::static_peers(&nodes);
+    let procs: Vec<ServerProcess> = nodes.iter().map(|n| n.spawn(&file, &peers, extra)).collect();
+    for (p, n) in procs.iter().zip(&nodes) {
+        p.wait_ready().await;
+        wait_members(&mut client(n.grpc).await, nodes.len()).await;
+    }
+    (file, nodes, procs)
+}

@@ -176,10 +176,24 @@ pub fn data(owner: &Owner, history: &History, members: &[String]) -> Value {
             "outstanding": leases.outstanding, "open": leases.open, "granted": leases.granted,
             "returned": leases.returned, "spent": leases.spent, "written_off": leases.written_off,
         },
-        "ring": { "epoch": 0, "members": members },
+        "ring": ring(owner, members),
         "top_tenants": { "by_rejections": hitters(&tr), "by_admitted_cost": hitters(&ta) },
         "top_keys": { "by_rejections": hitters(&kr), "by_admitted_cost": hitters(&ka) },
     })
+}
+
+/// The ring as the status page shows it: the cluster's members (`id (address)`) and
+/// epoch, or this node alone.
+fn ring(owner: &Owner, alone: &[String]) -> Value {
+    match owner.cluster().filter(|c| !c.is_single()) {
+        Some(c) => {
+            let ring = c.ring();
+            let members: Vec<String> =
+                ring.members().iter().map(|m| format!("{} ({})", m.id, m.address)).collect();
+            json!({ "epoch": ring.epoch, "members": members })
+        }
+        None => json!({ "epoch": 0, "members": alone }),
+    }
 }
 
 /// Samples the history once a second until `cancel` fires.

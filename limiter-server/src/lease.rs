@@ -368,6 +368,17 @@ impl Owner {
         tenant: &str,
     ) -> Result<(u64, Nanos), ServerError> {
         let remote = cluster.remote_roots(chain);
+        // A refill for an agent asks for the whole grant (never more than the root
+        // level can hold): near the limit the owner refuses, and the refusal, kept
+        // for a few milliseconds, answers this node's agents at once instead of
+        // turning each of their calls into a call to the owner.
+        let capacity = chain
+            .levels()
+            .filter(|l| keys.iter().any(|(s, r)| *s == l.scope && **r == *l.key.route))
+            .map(|l| l.rule.limit.capacity())
+            .min()
+            .unwrap_or(u64::MAX);
+        let need = want.max(min).min(capacity).max(1);
         for _ in 0..3 {
             let now = self.clock().now();
             match cluster.slices().take_up_to(keys, want, min, now) {
@@ -376,7 +387,7 @@ impl Owner {
                     let Some((_, owner)) = remote.iter().find(|(k, _)| *k == key) else {
                         return Err(ServerError::Exhausted("slice"));
                     };
-                    cluster.refill(&key, owner, tenant, min.max(want)).await?;
+                    cluster.refill(&key, owner, tenant, need, want).await?;
                 }
                 Err(_) => return Err(ServerError::Exhausted("slice")),
             }

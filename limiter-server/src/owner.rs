@@ -253,7 +253,7 @@ impl Owner {
                 }
                 Take::Short(key) => {
                     let owner = &remote.iter().find(|(k, _)| *k == key).expect("one of ours").1;
-                    cluster.refill(&key, owner, req.tenant, chain.cost).await?;
+                    cluster.refill(&key, owner, req.tenant, chain.cost, chain.cost).await?;
                     last = key;
                 }
                 Take::Denied(key, wait) => return Ok(refuse(&key, wait)),

@@ -383,6 +383,7 @@ impl Cluster {
         owner: &Member,
         tenant: &str,
         cost: u64,
+        want: u64,
     ) -> Result<(), ServerError> {
         let lock = self.slices.fill_lock(key);
         let _one = lock.lock().await;
@@ -392,8 +393,9 @@ impl Cluster {
         }
         let (lease_id, unspent, demand) = self.slices.detach(key, now);
         let ttl = nanos(self.config.slice_ttl);
-        // About half a second of this node's demand, at least the waiting request.
-        let want = (demand / 2).max(cost).max(1);
+        // About half a second of this node's demand (or what an agent's grant
+        // needs), at least the waiting request.
+        let want = (demand / 2).max(want).max(cost).max(1);
         let item = pb::LeaseItem {
             tenant: tenant.to_owned(),
             route: if key.1.is_empty() { "-".to_owned() } else { key.1.to_string() },
@@ -461,7 +463,7 @@ impl Cluster {
             let owner = self.owner_of(&root_name(key.0, &key.1));
             if idle {
                 self.return_slice(&key, &owner).await;
-            } else if let Err(e) = self.refill(&key, &owner, tenant_hint, 1).await {
+            } else if let Err(e) = self.refill(&key, &owner, tenant_hint, 1, 1).await {
                 tracing::debug!("slice renewal: {e}");
             }
         }

@@ -676,8 +676,9 @@ impl Inner {
     }
 
     /// Sends each item to its tenant's owner (one call per owner, all at once). An
-    /// owner that names another (the ring moved) gets the item sent through the
-    /// owner endpoint instead, and the ring is read again.
+    /// owner that names another (the ring moved), or that cannot be reached while
+    /// others can, gets its items sent through the owner endpoint instead, and the
+    /// ring is read again.
     async fn call_by_ring(
         &self,
         ring: &Ring,
@@ -703,13 +704,26 @@ impl Inner {
         let mut redirected = Vec::new();
         // The calls run together; each is bounded by the RPC timeout.
         let answers = join_all(calls).await;
-        for ((_, idx), answer) in groups.iter().zip(answers) {
-            for (&i, g) in idx.iter().zip(answer?) {
-                if g.redirect.is_empty() {
-                    out[i] = Some(g);
-                } else {
-                    redirected.push(i);
+        for ((address, idx), answer) in groups.iter().zip(answers) {
+            let via_endpoint = !self.config.owner.trim_end_matches('/').ends_with(&**address);
+            match answer {
+                Ok(grants) => {
+                    for (&i, g) in idx.iter().zip(grants) {
+                        if g.redirect.is_empty() {
+                            out[i] = Some(g);
+                        } else {
+                            redirected.push(i);
+                        }
+                    }
                 }
+                // An owner out of reach: its keys go through the endpoint, which
+                // forwards them or answers by each route's failure policy (one dead
+                // owner does not fail the other owners' keys).
+                Err(e) if via_endpoint => {
+                    tracing::debug!("owner unreachable ({e}); asking through the endpoint");
+                    redirected.extend(idx);
+                }
+                Err(e) => return Err(e),
             }
         }
         if !redirected.is_empty() {

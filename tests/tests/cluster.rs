@@ -155,8 +155,27 @@ async fn agents_that_route_by_the_ring_lease_straight_from_the_owners() {
                 assert!(agent.decide(&req).await.unwrap().allowed);
             }
         }
-        agent.shutdown().await;
         let forwarded = forwards().await - before;
+        if by_ring {
+            // An owner dies: keys of the other owners go on, the dead one's get their
+            // route's failure policy (through the endpoint), and no call fails.
+            let mut c = client(nodes[0].grpc).await;
+            let fresh: Vec<String> = (100..160).map(|k| format!("tenant-{k}")).collect();
+            let owned = owners(&mut c, &fresh).await;
+            let pid = procs[2].child.id().to_string();
+            assert!(
+                std::process::Command::new("kill").args(["-9", &pid]).status().unwrap().success()
+            );
+            for (t, o) in fresh.iter().zip(&owned) {
+                let req = AgentRequest { tenant: t, route: "/r", key: None, cost: 1 };
+                let out = agent.decide(&req).await.unwrap();
+                if o != "c" {
+                    assert!(out.allowed, "{t} of {o} is served while c is down: {out:?}");
+                }
+            }
+            assert_eq!(agent.stats().failed_calls, 0, "no lease call failed");
+        }
+        agent.shutdown().await;
         println!(
             "agent routing by the ring: {by_ring}: {forwarded} lease calls forwarded between nodes"
         );

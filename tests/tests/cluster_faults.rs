@@ -13,8 +13,12 @@ use parking_lot::Mutex;
 use tokio::time::Instant;
 use tonic::transport::Channel;
 
+#[path = "../../limiter-server/tests/common/redis.rs"]
+mod redis_proc;
+
 mod common;
 use common::*;
+use redis_proc::RedisServer;
 
 /// A client that knows every node and tries the next one when a node does not
 /// answer (what a gateway behind a load balancer does): `None` when none answered.
@@ -46,9 +50,39 @@ tenants:
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_rolling_restart_under_load_fails_nothing_and_overshoots_nothing() {
+    rolling_restart(None).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rolling_restart_with_the_redis_registry_fails_nothing_and_overshoots_nothing() {
+    let redis = RedisServer::start();
+    rolling_restart(Some(&redis.url())).await;
+}
+
+/// Restarts each of three nodes in turn (SIGTERM, wait, start) under steady load, with
+/// static membership or the Redis registry at `registry`.
+async fn rolling_restart(registry: Option<&str>) {
     let dir = tempfile::tempdir().unwrap();
-    let (policy, nodes, mut procs) = start_nodes(dir.path(), ROLLING, &["a", "b", "c"], &[]).await;
-    let peers = Node::static_peers(&nodes);
+    let policy = dir.path().join("policies.yaml");
+    std::fs::write(&policy, ROLLING).unwrap();
+    let nodes: Vec<Node> = ["a", "b", "c"].iter().map(|id| Node::new(id)).collect();
+    let (peers, extra) = match registry {
+        None => (Node::static_peers(&nodes), Vec::new()),
+        Some(url) => (
+            String::new(),
+            vec![
+                ("LIMITER__CLUSTER__MEMBERSHIP", "redis"),
+                ("LIMITER__CLUSTER__REGISTRY_URL", url),
+                ("LIMITER__CLUSTER__REGISTRY_TTL_MS", "1000"),
+                ("LIMITER__CLUSTER__REGISTRY_POLL_MS", "100"),
+            ],
+        ),
+    };
+    let mut procs: Vec<_> = nodes.iter().map(|n| n.spawn(&policy, &peers, &extra)).collect();
+    for (p, n) in procs.iter().zip(&nodes) {
+        p.wait_ready().await;
+        wait_members(&mut client(n.grpc).await, 3).await;
+    }
     let mut clients = Vec::new();
     for n in &nodes {
         clients.push(client(n.grpc).await);
@@ -98,7 +132,7 @@ async fn a_rolling_restart_under_load_fails_nothing_and_overshoots_nothing() {
             "node {} did not stop",
             nodes[i].id
         );
-        procs[i] = nodes[i].spawn(&policy, &peers, &[]);
+        procs[i] = nodes[i].spawn(&policy, &peers, &extra);
         procs[i].wait_ready().await;
         for n in &nodes {
             wait_members(&mut client(n.grpc).await, 3).await;
@@ -114,8 +148,9 @@ async fn a_rolling_restart_under_load_fails_nothing_and_overshoots_nothing() {
     let admitted = admitted.lock().clone();
     let total: u64 = admitted.values().sum();
     println!(
-        "rolling restart: {} requests, {} failed, {} answered by the failure policy, {total} admitted \
+        "rolling restart ({}): {} requests, {} failed, {} answered by the failure policy, {total} admitted \
          (at most {} allowed); per tenant: {:?}",
+        if registry.is_some() { "Redis registry" } else { "static peers" },
         sent.load(Ordering::Relaxed),
         failed.load(Ordering::Relaxed),
         fallback.load(Ordering::Relaxed),
@@ -129,8 +164,8 @@ async fn a_rolling_restart_under_load_fails_nothing_and_overshoots_nothing() {
     assert!(total >= 50 * tenants.len() as u64 * 9 / 10, "the limits were used: {total}");
 }
 
-/// When a request was answered, whether on the fail-open route, whether admitted,
-/// and the reason.
+/// When a request was sent, whether on the fail-open route, whether admitted, and
+/// the reason. (Sent after the kill, it cannot have been decided by the dead node.)
 type Answer = (Duration, bool, bool, i32);
 
 const KILL: &str = r"
@@ -183,14 +218,17 @@ async fn a_killed_nodes_tenants_are_fenced_then_served_by_their_new_owners() {
                         route: route.to_owned(),
                         ..Default::default()
                     };
+                    let sent = start.elapsed();
                     let r = ask(&survivors, i % 2, &req).await.expect("a survivor answers");
-                    log.lock().push((start.elapsed(), open, r.allowed, r.reason));
+                    log.lock().push((sent, open, r.allowed, r.reason));
                 }
             }));
         }
     }
     tokio::time::sleep(killed_at).await;
     procs[2].kill();
+    // Counted from when the process is gone.
+    let killed_at = start.elapsed();
     tokio::time::sleep(Duration::from_secs(5)).await;
     stop.store(true, Ordering::Relaxed);
     for l in load {

@@ -217,6 +217,9 @@ async fn run_registry(
         }
     };
     let mut conn: Option<redis::aio::MultiplexedConnection> = None;
+    // A call may take up to half the TTL (a loaded machine answers slowly); the entry
+    // is renewed in time all the same, since polls come at most every half TTL.
+    let deadline = (ttl / 2).max(poll);
     let mut left = false;
     let mut failures = 0u32;
     let mut tick = tokio::time::interval(poll);
@@ -232,7 +235,7 @@ async fn run_registry(
             "renew"
         };
         if conn.is_none() {
-            conn = tokio::time::timeout(poll, client.get_multiplexed_async_connection())
+            conn = tokio::time::timeout(deadline, client.get_multiplexed_async_connection())
                 .await
                 .ok()
                 .and_then(Result::ok);
@@ -247,7 +250,7 @@ async fn run_registry(
                     .arg(&*me.id)
                     .arg(&info)
                     .arg(u64::try_from(ttl.as_millis()).unwrap_or(u64::MAX));
-                tokio::time::timeout(poll, inv.invoke_async::<Vec<redis::Value>>(c))
+                tokio::time::timeout(deadline, inv.invoke_async::<Vec<redis::Value>>(c))
                     .await
                     .ok()
                     .and_then(Result::ok)

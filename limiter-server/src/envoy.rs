@@ -215,34 +215,6 @@ fn answer(outcomes: &[Outcome]) -> rls::RateLimitResponse {
     }
 }
 
-impl EnvoyService {
-    /// Forwards `req` to `owner` (following one redirect): the answer, `None` when it
-    /// is this node's to decide after all, `Err` when no owner could be reached.
-    async fn forward(
-        &self,
-        cluster: &crate::cluster::Cluster,
-        owner: &crate::cluster::ring::Member,
-        req: &rls::RateLimitRequest,
-        tenant: &str,
-    ) -> Result<Option<rls::RateLimitResponse>, ()> {
-        use crate::cluster::peers::moved_to;
-        let peer = cluster.peer(owner).map_err(|_| ())?;
-        let to = match peer.should_rate_limit(req.clone(), 1).await {
-            Ok(answer) => return Ok(Some(answer)),
-            Err(s) => moved_to(&s).ok_or(())?,
-        };
-        if *to == *cluster.me().address {
-            // Decide here only if this node's own view agrees that it owns the tenant.
-            return match cluster.settle(tenant).await {
-                crate::cluster::Placement::Remote(_) => Err(()),
-                _ => Ok(None),
-            };
-        }
-        let peer = cluster.peers().get(&to).map_err(|_| ())?;
-        peer.should_rate_limit(req.clone(), 2).await.map(Some).map_err(|_| ())
-    }
-}
-
 #[tonic::async_trait]
 impl RateLimitService for EnvoyService {
     async fn should_rate_limit(
@@ -293,10 +265,16 @@ impl RateLimitService for EnvoyService {
             match crate::routing::target(cluster, core[0].tenant, hop).await {
                 Some(Err(owner)) => return Err(crate::cluster::peers::moved(&owner.address)),
                 Some(Ok(owner)) => {
-                    match self.forward(cluster, &owner, &req, core[0].tenant).await {
+                    let call = |peer: crate::cluster::peers::Peer, hop| {
+                        let req = req.clone();
+                        async move { peer.should_rate_limit(req, hop).await }
+                    };
+                    match crate::routing::forward_once(cluster, &owner, core[0].tenant, call).await
+                    {
                         Ok(Some(answer)) => return Ok(Response::new(answer)),
                         Ok(None) => {}
-                        Err(()) => unreachable = true,
+                        // No owner answered: the routes' failure policies decide here.
+                        Err(_) => unreachable = true,
                     }
                 }
                 None => {}

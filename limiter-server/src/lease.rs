@@ -27,6 +27,7 @@ use limiter_core::policy::{FailurePolicy, Request};
 use limiter_proto::limiter::v1 as pb;
 use parking_lot::Mutex;
 
+use crate::cluster::slices::Remote;
 use crate::convert;
 use crate::error::ServerError;
 use crate::metrics::{self as m, Api};
@@ -183,7 +184,7 @@ impl Owner {
             // whose root levels other nodes own (paid from this node's slices).
             let slice_of = convert::scope_from(item.level);
             let (chain, slices) = match slice_of {
-                Some(level) => (full.retain_levels(|l| l.scope == level), Vec::new()),
+                Some(level) => (full.retain_levels(|l| l.scope == level), Remote::default()),
                 None => self.split(&full),
             };
             let now = self.clock().now();
@@ -194,7 +195,7 @@ impl Owner {
                         .refund_grant(&chain, now, record.granted_at, record.hold, refund)
                         .await
                         .map_err(|e| (i, e))?;
-                    if let Some(c) = self.cluster() {
+                    if let Some(c) = self.shared() {
                         c.slices().returned(item.lease_id, refund, now);
                     }
                 }
@@ -211,11 +212,8 @@ impl Owner {
             }
             // The counters must be here: not fenced after their owner's loss (nothing
             // new is granted then), not moving away. Held until the grant is made.
-            let name = match slice_of {
-                Some(level) => crate::cluster::slices::root_name(level, &item.route),
-                None => item.tenant.clone(),
-            };
-            let mut held = match self.cluster() {
+            let name = crate::cluster::lease_name(item);
+            let mut held = match self.shared() {
                 Some(c) => match c.hold(&name).await {
                     Ok(guard) => guard,
                     Err(_) => {
@@ -288,7 +286,7 @@ impl Owner {
             // and never outlives them.
             let mut from_slices = 0;
             let mut slices_until = Nanos::MAX;
-            if let (false, Some(c)) = (slices.is_empty(), self.cluster()) {
+            if let (false, Some(c)) = (slices.is_empty(), self.shared()) {
                 match self.take_slices(c, &full, &slices, size, item.cost, &item.tenant).await {
                     Ok((units, until)) => {
                         size = units;
@@ -305,8 +303,8 @@ impl Owner {
             } else {
                 self.store().grant(&chain, now, size, hold).await.map_err(|e| (i, e))?
             };
-            if let Some(c) = self.cluster() {
-                c.slices().give_back(&slices, from_slices - g.units.min(from_slices), now);
+            if let (false, Some(c)) = (slices.is_empty(), self.shared()) {
+                c.slices().give_back(&slices.keys, from_slices - g.units.min(from_slices), now);
             }
             if g.units < item.cost || g.units == 0 {
                 // Not enough to hold: give back any partial grant and decide the
@@ -315,8 +313,8 @@ impl Owner {
                     .refund_grant(&chain, now, g.granted_at, g.hold, g.units)
                     .await
                     .map_err(|e| (i, e))?;
-                if let Some(c) = self.cluster() {
-                    c.slices().give_back(&slices, g.units, now);
+                if let (false, Some(c)) = (slices.is_empty(), self.shared()) {
+                    c.slices().give_back(&slices.keys, g.units, now);
                 }
                 if slice_of.is_some() {
                     grant.decision = Some(self.refusal(&chain, now, 0));
@@ -343,8 +341,8 @@ impl Owner {
                 granted_at: g.granted_at,
                 hold: g.hold,
             });
-            if let (false, Some(c)) = (slices.is_empty(), self.cluster()) {
-                c.slices().funded(id, &slices, slices_until);
+            if let (false, Some(c)) = (slices.is_empty(), self.shared()) {
+                c.slices().funded(id, &slices.keys, slices_until);
             }
             grant.lease_id = id;
             grant.units = g.units;
@@ -355,36 +353,35 @@ impl Owner {
         Ok(grants)
     }
 
-    /// Takes up to `want` (at least `min`) units from the slices `keys`, refilling
+    /// Takes up to `want` (at least `min`) units from the slices `remote`, refilling
     /// them from their owners as needed: the units and the slices' end.
     /// `Exhausted` when an owner refuses.
     async fn take_slices(
         &self,
         cluster: &crate::cluster::Cluster,
         chain: &limiter_core::policy::Chain<'_>,
-        keys: &[crate::cluster::slices::SliceKey],
+        remote: &Remote,
         want: u64,
         min: u64,
         tenant: &str,
     ) -> Result<(u64, Nanos), ServerError> {
-        let remote = cluster.remote_roots(chain);
         // A refill for an agent asks for the whole grant (never more than the root
         // level can hold): near the limit the owner refuses, and the refusal, kept
         // for a few milliseconds, answers this node's agents at once instead of
         // turning each of their calls into a call to the owner.
         let capacity = chain
             .levels()
-            .filter(|l| keys.iter().any(|(s, r)| *s == l.scope && **r == *l.key.route))
+            .filter(|l| remote.holds(l))
             .map(|l| l.rule.limit.capacity())
             .min()
             .unwrap_or(u64::MAX);
         let need = want.max(min).min(capacity).max(1);
         for _ in 0..3 {
             let now = self.clock().now();
-            match cluster.slices().take_up_to(keys, want, min, now) {
+            match cluster.slices().take_up_to(&remote.keys, want, min, now) {
                 Ok(got) => return Ok(got),
                 Err(crate::cluster::slices::Take::Short(key)) => {
-                    let Some((_, owner)) = remote.iter().find(|(k, _)| *k == key) else {
+                    let Some(owner) = remote.owner(&key) else {
                         return Err(ServerError::Exhausted("slice"));
                     };
                     cluster.refill(&key, owner, tenant, need, want).await?;

@@ -14,7 +14,7 @@ use metrics::Histogram;
 use parking_lot::Mutex;
 
 use crate::cluster::Cluster;
-use crate::cluster::slices::{SliceKey, Take};
+use crate::cluster::slices::{Remote, SliceKey, Take};
 use crate::config::Limits;
 use crate::error::ServerError;
 use crate::heavy::HeavyHitters;
@@ -194,17 +194,19 @@ impl Owner {
         self.cluster.as_ref()
     }
 
-    /// The part of `chain` this node's store decides, and the slices of root levels
-    /// other nodes own.
-    pub fn split<'a>(&self, chain: &Chain<'a>) -> (Chain<'a>, Vec<SliceKey>) {
-        match &self.cluster {
-            None => (*chain, Vec::new()),
-            Some(c) => {
-                let remote = c.remote_roots(chain);
-                let keys = remote.iter().map(|(k, _)| k.clone()).collect();
-                (Cluster::local_chain(chain, &remote), keys)
-            }
+    /// The part of `chain` this node's store decides, and the root levels other
+    /// nodes own (taken from this node's slices of them).
+    pub fn split<'a>(&self, chain: &Chain<'a>) -> (Chain<'a>, Remote) {
+        match self.shared() {
+            None => (*chain, Remote::default()),
+            Some(c) => c.split(chain),
         }
+    }
+
+    /// The cluster when this node shares its tenants with others (`None`: alone, and
+    /// nothing to route, gate or take from slices).
+    pub(crate) fn shared(&self) -> Option<&Arc<Cluster>> {
+        self.cluster.as_ref().filter(|c| !c.is_single())
     }
 
     /// Decides one request on the store, with root levels owned elsewhere taken from
@@ -215,17 +217,16 @@ impl Owner {
         chain: &Chain<'_>,
         now: Nanos,
     ) -> Result<(Verdict, Charged), ServerError> {
-        let Some(cluster) = &self.cluster else { return self.store.decide(req, chain, now).await };
+        let Some(cluster) = self.shared() else { return self.store.decide(req, chain, now).await };
         let _held = cluster.hold(req.tenant).await?;
-        let remote = cluster.remote_roots(chain);
+        let (local, remote) = cluster.split(chain);
         if remote.is_empty() {
             return self.store.decide(req, chain, now).await;
         }
         if let Some(v) = limiter_core::hierarchy::without_counters(chain) {
             return Ok((v, Charged { at: now, hold: 0 }));
         }
-        let keys: Vec<SliceKey> = remote.iter().map(|(k, _)| k.clone()).collect();
-        let local = Cluster::local_chain(chain, &remote);
+        let keys = &remote.keys;
         let cost = if chain.dry_run { 0 } else { chain.cost };
         let refuse = |key: &SliceKey, wait: Nanos| {
             let level = chain
@@ -243,16 +244,16 @@ impl Owner {
         let mut last = keys[0].clone();
         for _ in 0..3 {
             let now = self.clock.now();
-            match cluster.slices().take(&keys, cost, now) {
+            match cluster.slices().take(keys, cost, now) {
                 Take::Taken => {
                     let (v, at) = self.store.decide(req, &local, now).await?;
                     if !v.decision.is_allowed() && cost > 0 {
-                        cluster.slices().give_back(&keys, cost, now);
+                        cluster.slices().give_back(keys, cost, now);
                     }
                     return Ok((v, at));
                 }
                 Take::Short(key) => {
-                    let owner = &remote.iter().find(|(k, _)| *k == key).expect("one of ours").1;
+                    let owner = remote.owner(&key).expect("one of ours");
                     cluster.refill(&key, owner, req.tenant, chain.cost, chain.cost).await?;
                     last = key;
                 }
@@ -438,7 +439,7 @@ impl Owner {
                         .await
                         .map_err(|e| (0, e))?;
                     if let Some(c) = &self.cluster {
-                        c.slices().give_back(&slices, o.charged, now);
+                        c.slices().give_back(&slices.keys, o.charged, now);
                     }
                     o.charged = 0;
                 }

@@ -9,7 +9,7 @@ use std::sync::Arc;
 use limiter_core::policy::Request;
 use limiter_proto::limiter::v1 as pb;
 
-use crate::cluster::ring::{GLOBAL_ROOT, Member, route_root};
+use crate::cluster::ring::Member;
 use crate::cluster::{Cluster, Placement};
 use crate::convert;
 use crate::error::ServerError;
@@ -30,6 +30,49 @@ pub async fn target(cluster: &Cluster, name: &str, hop: u8) -> Option<Result<Mem
         Placement::Remote(owner) if hop == 1 => Some(Err(owner)),
         Placement::Remote(owner) => Some(Ok(owner)),
         _ => None,
+    }
+}
+
+/// Sends one call about `tenant` to its `owner` (hop 1) and follows one redirect
+/// (hop 2): the answer, or `Ok(None)` when the redirect names this node and this
+/// node's own view agrees that the tenant is its own.
+///
+/// # Errors
+///
+/// The owner's error, or `UNAVAILABLE` when no owner could be reached or the views
+/// disagree.
+pub async fn forward_once<T, F, Fut>(
+    cluster: &Cluster,
+    owner: &Member,
+    tenant: &str,
+    call: F,
+) -> Result<Option<T>, tonic::Status>
+where
+    F: Fn(crate::cluster::peers::Peer, u8) -> Fut,
+    Fut: std::future::Future<Output = Result<T, tonic::Status>>,
+{
+    let to = match call(cluster.peer(owner)?, 1).await {
+        Ok(answer) => return Ok(Some(answer)),
+        Err(s) => crate::cluster::peers::moved_to(&s).ok_or(s)?,
+    };
+    if *to != *cluster.me().address {
+        return call(cluster.peers().get(&to)?, 2).await.map(Some);
+    }
+    match cluster.settle(tenant).await {
+        Placement::Remote(o) => Err(tonic::Status::unavailable(format!(
+            "{} and {} each name the other",
+            o.id,
+            cluster.me().id
+        ))),
+        _ => Ok(None),
+    }
+}
+
+/// Files element `i` under its owner.
+fn group(groups: &mut Vec<(Member, Vec<usize>)>, owner: Member, i: usize) {
+    match groups.iter_mut().find(|(m, _)| m.id == owner.id) {
+        Some((_, v)) => v.push(i),
+        None => groups.push((owner, vec![i])),
     }
 }
 
@@ -97,10 +140,7 @@ pub async fn should_allow(
                     ..Default::default()
                 });
             }
-            Some(Ok(o)) => match away.iter_mut().find(|(m, _)| m.id == o.id) {
-                Some((_, v)) => v.push(i),
-                None => away.push((o, vec![i])),
-            },
+            Some(Ok(o)) => group(&mut away, o, i),
         }
     }
     let mut unreachable = Vec::new();
@@ -176,15 +216,6 @@ async fn forward(
     }
 }
 
-/// The ring name a lease item is owned under: its tenant, or a root key's name.
-fn lease_name(item: &pb::LeaseItem) -> String {
-    match convert::scope_from(item.level) {
-        Some(limiter_core::Scope::Global) => GLOBAL_ROOT.to_owned(),
-        Some(limiter_core::Scope::Route) => route_root(&item.route),
-        _ => item.tenant.clone(),
-    }
-}
-
 /// Handles a lease call (arrived at hop `hop`): items this node owns are granted
 /// here, the others forwarded to their owners (or, for a caller that routes by an
 /// older ring, answered with the owner's address).
@@ -205,12 +236,9 @@ pub async fn lease(
     let mut here = Vec::new();
     let mut away: Vec<(Member, Vec<usize>)> = Vec::new();
     for (i, item) in req.items.iter().enumerate() {
-        match target(cluster, &lease_name(item), hop).await {
+        match target(cluster, &crate::cluster::lease_name(item), hop).await {
             None => here.push(i),
-            Some(Ok(o)) if req.epoch == 0 => match away.iter_mut().find(|(m, _)| m.id == o.id) {
-                Some((_, v)) => v.push(i),
-                None => away.push((o, vec![i])),
-            },
+            Some(Ok(o)) if req.epoch == 0 => group(&mut away, o, i),
             Some(Ok(o) | Err(o)) => {
                 out[i] =
                     Some(pb::LeaseGrant { redirect: o.address.to_string(), ..Default::default() });
@@ -235,7 +263,7 @@ pub async fn lease(
                     if g.redirect.is_empty() {
                         out[i] = Some(g);
                     } else if *g.redirect == *cluster.me().address {
-                        let name = lease_name(&req.items[i]);
+                        let name = crate::cluster::lease_name(&req.items[i]);
                         if matches!(cluster.settle(&name).await, Placement::Remote(_)) {
                             failed.push(i);
                         } else {

@@ -6,7 +6,7 @@ use limiter_proto::limiter::v1 as pb;
 use pb::rate_limiter_server::RateLimiter;
 use tonic::{Request, Response, Status};
 
-use crate::cluster::peers::{hop_of, moved, moved_to};
+use crate::cluster::peers::{Peer, hop_of, moved};
 use crate::error::{ServerError, element_status};
 use crate::metrics::Api;
 use crate::owner::Owner;
@@ -80,16 +80,14 @@ impl RateLimiter for NativeService {
             match routing::target(cluster, &r.tenant, hop).await {
                 Some(Err(owner)) => return Err(moved(&owner.address)),
                 Some(Ok(owner)) => {
-                    let peer = cluster.peer(&owner)?;
-                    match peer.report_cost(r.clone(), 1).await {
-                        Err(s) if moved_to(&s).is_some_and(|a| a != *cluster.me().address) => {
-                            let to = moved_to(&s).unwrap_or_default();
-                            return Ok(Response::new(
-                                cluster.peers().get(&to)?.report_cost(r, 2).await?,
-                            ));
-                        }
-                        Err(s) if moved_to(&s).is_some() => {}
-                        answer => return answer.map(Response::new),
+                    let call = |peer: Peer, hop| {
+                        let r = r.clone();
+                        async move { peer.report_cost(r, hop).await }
+                    };
+                    if let Some(answer) =
+                        routing::forward_once(cluster, &owner, &r.tenant, call).await?
+                    {
+                        return Ok(Response::new(answer));
                     }
                 }
                 None => {}

@@ -80,10 +80,25 @@ struct Transition {
 /// The ring name a stored counter belongs to.
 pub fn ring_name(key: &LimitKey) -> String {
     let k = key.as_ref();
-    match k.scope {
+    owner_name(k.scope, k.tenant, k.route)
+}
+
+/// The ring name a level of `tenant` on `route` is owned under: the global ceiling's
+/// and a route-wide limit's own names (root keys), else the tenant.
+pub fn owner_name(scope: Scope, tenant: &str, route: &str) -> String {
+    match scope {
         Scope::Global => GLOBAL_ROOT.to_owned(),
-        Scope::Route => route_root(k.route),
-        _ => k.tenant.to_owned(),
+        Scope::Route => route_root(route),
+        _ => tenant.to_owned(),
+    }
+}
+
+/// The ring name a lease item is owned under: its tenant, or for a slice, its root
+/// key's name.
+pub fn lease_name(item: &pb::LeaseItem) -> String {
+    match convert::scope_from(item.level) {
+        Some(scope) => owner_name(scope, &item.tenant, &item.route),
+        None => item.tenant.clone(),
     }
 }
 
@@ -219,11 +234,6 @@ impl Cluster {
         self.draining.load(Ordering::Relaxed)
     }
 
-    /// How long a dead node's tenants are fenced.
-    pub fn fence(&self) -> Nanos {
-        self.fence
-    }
-
     /// The owner of `name` in the current ring (this node when alone).
     pub fn owner_of(&self, name: &str) -> Member {
         self.ring.load().owner(name).cloned().unwrap_or_else(|| self.me.clone())
@@ -320,11 +330,6 @@ impl Cluster {
         }
     }
 
-    /// Whether `tenant` is fenced now (its requests follow the failure policy).
-    pub fn fenced(&self, tenant: &str, now: Nanos) -> bool {
-        self.stateful && matches!(self.place(tenant, now), Placement::Fenced { .. })
-    }
-
     /// Holds off handoffs while a decision runs on this node's counters, once
     /// `tenant`'s counters are here (waiting out a handoff on its way). `Err` when
     /// they are not (fenced, or moved away since the request was routed): the
@@ -400,9 +405,7 @@ impl Cluster {
         let new = Arc::new(new);
         if self.draining() {
             // A draining node keeps redirecting by the ring it handed off to.
-            let mut handed = (*new).clone();
-            handed = handed.without(&self.me.id);
-            self.ring.store(Arc::new(handed));
+            self.ring.store(Arc::new(new.without(&self.me.id)));
             return;
         }
         let joined_now = new.member(&self.me.id).is_some();

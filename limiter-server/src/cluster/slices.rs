@@ -22,12 +22,12 @@ use std::sync::Arc;
 
 use limiter_core::clock::{NANOS_PER_SEC, Nanos};
 use limiter_core::decision::Scope;
-use limiter_core::policy::Chain;
+use limiter_core::policy::{Chain, Level};
 use limiter_proto::limiter::v1 as pb;
 use parking_lot::Mutex;
 
-use super::ring::{GLOBAL_ROOT, Member, route_root};
-use super::{Cluster, nanos};
+use super::ring::Member;
+use super::{Cluster, nanos, owner_name};
 use crate::convert;
 use crate::error::ServerError;
 use crate::metrics as m;
@@ -55,8 +55,6 @@ pub struct Slice {
     pub granted: u64,
     /// Spendable until (this node's clock).
     pub until: Nanos,
-    /// The owner's address.
-    pub owner: Arc<str>,
     /// A refusal: until when it stands, and when the owner said to retry.
     pub denied: Option<(Nanos, Nanos)>,
     /// Units spent in the current period and the period's start.
@@ -258,21 +256,13 @@ impl Slices {
     }
 
     /// Installs a grant for `key`.
-    pub fn install(
-        &self,
-        key: &SliceKey,
-        owner: Arc<str>,
-        lease_id: u64,
-        units: u64,
-        until: Nanos,
-    ) {
+    pub fn install(&self, key: &SliceKey, lease_id: u64, units: u64, until: Nanos) {
         let mut held = self.held.lock();
         let s = held.entry(key.clone()).or_default();
         s.lease_id = lease_id;
         s.units = units;
         s.granted = units;
         s.until = until;
-        s.owner = owner;
         s.denied = None;
     }
 
@@ -339,36 +329,52 @@ pub fn is_root(scope: Scope) -> bool {
     matches!(scope, Scope::Global | Scope::Route)
 }
 
-/// The ring name of a root level.
-pub fn root_name(scope: Scope, route: &str) -> String {
-    if scope == Scope::Global { GLOBAL_ROOT.to_owned() } else { route_root(route) }
+/// The root levels of a chain that other nodes own: their slices and owners, in the
+/// chain's order.
+#[derive(Debug, Default)]
+pub struct Remote {
+    /// The slices.
+    pub keys: Vec<SliceKey>,
+    /// Their owners.
+    pub owners: Vec<Member>,
+}
+
+impl Remote {
+    /// Whether every level is this node's.
+    pub fn is_empty(&self) -> bool {
+        self.keys.is_empty()
+    }
+
+    /// The owner of slice `key`.
+    pub fn owner(&self, key: &SliceKey) -> Option<&Member> {
+        self.keys.iter().position(|k| k == key).map(|i| &self.owners[i])
+    }
+
+    /// Whether `level` is one of these.
+    pub fn holds(&self, level: &Level<'_>) -> bool {
+        self.keys.iter().any(|(s, r)| *s == level.scope && **r == *level.key.route)
+    }
 }
 
 impl Cluster {
-    /// The root levels of `chain` that another node owns, as slice keys with owners
-    /// (none when counters are shared, or this node is alone).
-    pub fn remote_roots(&self, chain: &Chain<'_>) -> Vec<(SliceKey, Member)> {
-        if !self.stateful || self.ring.load().members().len() <= 1 {
-            return Vec::new();
+    /// `chain` split into the levels this node's counters decide and the root
+    /// levels other nodes own (none when counters are shared or this node is alone).
+    pub fn split<'a>(&self, chain: &Chain<'a>) -> (Chain<'a>, Remote) {
+        let mut remote = Remote::default();
+        if !self.stateful || self.is_single() || self.ring.load().members().len() <= 1 {
+            return (*chain, remote);
         }
-        chain
-            .levels()
-            .filter(|l| is_root(l.scope))
-            .filter_map(|l| {
-                let owner = self.owner_of(&root_name(l.scope, l.key.route));
-                (owner.id != self.me.id).then(|| ((l.scope, l.key.route.into()), owner))
-            })
-            .collect()
-    }
-
-    /// `chain` without the levels in `remote` (what this node's own counters decide).
-    pub fn local_chain<'a>(chain: &Chain<'a>, remote: &[(SliceKey, Member)]) -> Chain<'a> {
+        for l in chain.levels().filter(|l| is_root(l.scope)) {
+            let owner = self.owner_of(&owner_name(l.scope, "", l.key.route));
+            if owner.id != self.me.id {
+                remote.keys.push((l.scope, l.key.route.into()));
+                remote.owners.push(owner);
+            }
+        }
         if remote.is_empty() {
-            return *chain;
+            return (*chain, remote);
         }
-        chain.retain_levels(|l| {
-            !remote.iter().any(|((s, r), _)| *s == l.scope && **r == *l.key.route)
-        })
+        (chain.retain_levels(|l| !remote.holds(l)), remote)
     }
 
     /// Asks `owner` for a fresh slice of `key` (returning what is left of the old
@@ -434,13 +440,7 @@ impl Cluster {
         };
         if grant.units >= cost && grant.lease_id != 0 {
             let hold = grant.hold.map_or(ttl, |d| convert::nanos_of(&d)).min(ttl);
-            self.slices.install(
-                key,
-                owner.address.clone(),
-                grant.lease_id,
-                grant.units,
-                spend_until(sent, hold),
-            );
+            self.slices.install(key, grant.lease_id, grant.units, spend_until(sent, hold));
             metrics::counter!(m::SLICE_CALLS, "outcome" => "granted").increment(1);
         } else {
             let wait = grant
@@ -460,7 +460,7 @@ impl Cluster {
     pub async fn renew_slices(&self, tenant_hint: &str) {
         let now = self.clock.now();
         for (key, idle) in self.slices.due(now, 2 * PERIOD * 4) {
-            let owner = self.owner_of(&root_name(key.0, &key.1));
+            let owner = self.owner_of(&owner_name(key.0, "", &key.1));
             if idle {
                 self.return_slice(&key, &owner).await;
             } else if let Err(e) = self.refill(&key, &owner, tenant_hint, 1, 1).await {
@@ -472,7 +472,7 @@ impl Cluster {
     /// Returns every slice (at drain).
     pub async fn return_slices(&self) {
         for key in self.slices.all() {
-            let owner = self.owner_of(&root_name(key.0, &key.1));
+            let owner = self.owner_of(&owner_name(key.0, "", &key.1));
             self.return_slice(&key, &owner).await;
         }
     }
@@ -516,9 +516,9 @@ mod tests {
         let s = Slices::default();
         let k = [key(), (Scope::Route, "/a".into())];
         assert_eq!(s.take(&k, 1, 0), Take::Short(key()));
-        s.install(&k[0], "x".into(), 1, 10, 100);
+        s.install(&k[0], 1, 10, 100);
         assert_eq!(s.take(&k, 1, 0), Take::Short(k[1].clone()));
-        s.install(&k[1], "x".into(), 2, 3, 100);
+        s.install(&k[1], 2, 3, 100);
         assert_eq!(s.take(&k, 3, 0), Take::Taken);
         assert_eq!(s.take(&k, 1, 0), Take::Short(k[1].clone()));
         s.give_back(&k, 2, 1);
@@ -533,7 +533,7 @@ mod tests {
         s.deny(&key(), 0, 5_000_000);
         assert!(matches!(s.take(&[key()], 1, 1), Take::Denied(..)));
         assert_eq!(s.take(&[key()], 1, 6_000_000), Take::Short(key()));
-        s.install(&key(), "x".into(), 7, 10, 1_000_000_000);
+        s.install(&key(), 7, 10, 1_000_000_000);
         assert_eq!(s.take_up_to(&[key()], 4, 1, 10), Ok((4, 1_000_000_000)));
         s.funded(99, &[key()], 1_000_000_000);
         s.returned(99, 3, 20);
@@ -541,7 +541,7 @@ mod tests {
         // Renewed: what agents return from the old slice stays spendable until the
         // old slice's end, and is spent first.
         s.funded(100, &[key()], 500);
-        s.install(&key(), "x".into(), 8, 1, 2_000_000_000);
+        s.install(&key(), 8, 1, 2_000_000_000);
         s.returned(100, 5, 30);
         assert!(s.has(&key(), 6, 30));
         assert_eq!(s.take_up_to(&[key()], 2, 1, 40), Ok((2, 500)), "carried units end first");

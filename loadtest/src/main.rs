@@ -1,0 +1,108 @@
+//! `loadtest`: run a scenario, or the standard benchmarks.
+//!
+//! ```text
+//! loadtest run <scenario.yaml> [--out DIR]    report to DIR (default loadtest/reports)
+//! loadtest bench [--quick] [--out FILE]       the standard scenarios into BENCHMARKS.md
+//! ```
+//!
+//! The same binary is the server nodes and gateway processes a run starts
+//! (`LOADTEST_ROLE=server|gateway`).
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use loadtest::scenario::Scenario;
+
+const USAGE: &str = "usage:
+  loadtest run <scenario.yaml> [--out DIR]
+  loadtest bench [--quick] [--out FILE] [--charts DIR]";
+
+fn main() -> ExitCode {
+    match std::env::var(loadtest::procs::ROLE).as_deref() {
+        Ok("server") => return limiter_server::cli::main(),
+        Ok("gateway") => {
+            return match loadtest::gateway::main() {
+                Ok(()) => ExitCode::SUCCESS,
+                Err(e) => {
+                    eprintln!("gateway: {e:#}");
+                    ExitCode::FAILURE
+                }
+            };
+        }
+        _ => {}
+    }
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let result = match args.first().map(String::as_str) {
+        Some("run") => run(&args[1..]),
+        Some("bench") => bench(&args[1..]),
+        Some("-h" | "--help") => {
+            println!("{USAGE}");
+            return ExitCode::SUCCESS;
+        }
+        _ => {
+            eprintln!("{USAGE}");
+            return ExitCode::from(64);
+        }
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("loadtest: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
+    Ok(tokio::runtime::Builder::new_multi_thread().enable_all().build()?)
+}
+
+fn run(args: &[String]) -> anyhow::Result<()> {
+    let mut file = None;
+    let mut out = PathBuf::from("loadtest/reports");
+    let mut it = args.iter();
+    while let Some(a) = it.next() {
+        match a.as_str() {
+            "--out" => {
+                out =
+                    PathBuf::from(it.next().ok_or_else(|| anyhow::anyhow!("--out needs a folder"))?)
+            }
+            f if file.is_none() && !f.starts_with('-') => file = Some(PathBuf::from(f)),
+            other => anyhow::bail!("unexpected argument `{other}`\n{USAGE}"),
+        }
+    }
+    let file = file.ok_or_else(|| anyhow::anyhow!("which scenario?\n{USAGE}"))?;
+    let s = Scenario::load(&file)?;
+    let report =
+        runtime()?.block_on(loadtest::run::run(&s, loadtest::run::Options { progress: true }))?;
+    let md = report.markdown();
+    println!("{md}");
+    std::fs::create_dir_all(&out)?;
+    let base = out.join(&s.name);
+    std::fs::write(base.with_extension("json"), serde_json::to_string_pretty(&report)?)?;
+    std::fs::write(base.with_extension("md"), &md)?;
+    std::fs::write(base.with_extension("svg"), loadtest::chart::run_chart(&report))?;
+    eprintln!("report: {}.{{json,md,svg}}", base.display());
+    Ok(())
+}
+
+fn bench(args: &[String]) -> anyhow::Result<()> {
+    let mut opts = loadtest::bench::Options::default();
+    let mut it = args.iter();
+    while let Some(a) = it.next() {
+        match a.as_str() {
+            "--quick" => opts.quick = true,
+            "--out" => {
+                opts.out =
+                    PathBuf::from(it.next().ok_or_else(|| anyhow::anyhow!("--out needs a file"))?)
+            }
+            "--charts" => {
+                opts.charts = PathBuf::from(
+                    it.next().ok_or_else(|| anyhow::anyhow!("--charts needs a folder"))?,
+                )
+            }
+            other => anyhow::bail!("unexpected argument `{other}`\n{USAGE}"),
+        }
+    }
+    runtime()?.block_on(loadtest::bench::run(&opts))
+}

@@ -1,0 +1,609 @@
+//! What a run found: rates per second, latency percentiles, accuracy against the exact
+//! model, outcomes per route, lease fates and faults; as a table, JSON and Markdown.
+
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use hdrhistogram::Histogram;
+use serde::Serialize;
+
+use crate::model::{self, TenantTally};
+use crate::procs::metric;
+use crate::record::{Kind, LABELS, Record, Source};
+use crate::run::Live;
+use crate::scenario::{Fault, Scenario};
+use crate::target::Names;
+
+/// A fault as it happened.
+#[derive(Debug, Clone)]
+pub struct FaultEvent {
+    /// The fault.
+    pub fault: Fault,
+    /// When it was done, nanoseconds from the start.
+    pub at_ns: u64,
+    /// Whether it could be done.
+    pub done: bool,
+}
+
+/// Lease units by fate, summed over the running nodes, at a time of the run.
+#[derive(Debug, Clone, Copy, Default, Serialize)]
+pub struct LeaseSample {
+    /// Seconds from the start.
+    pub t: f64,
+    /// Units granted to agents so far.
+    pub granted: f64,
+    /// Units agents gave back.
+    pub returned: f64,
+    /// Units agents spent.
+    pub spent: f64,
+    /// Units of leases that expired with their holder silent.
+    pub written_off: f64,
+    /// Units out with agents now.
+    pub outstanding: f64,
+}
+
+impl LeaseSample {
+    /// Adds one node's `/metrics`.
+    pub fn add(&mut self, body: &str) {
+        let m = "limiter_lease_units_total";
+        self.granted += metric(body, m, &["fate=\"granted\""]);
+        self.returned += metric(body, m, &["fate=\"returned\""]);
+        self.spent += metric(body, m, &["fate=\"spent\""]);
+        self.written_off += metric(body, m, &["fate=\"written_off\""]);
+        self.outstanding += metric(body, "limiter_lease_outstanding_units", &[]);
+    }
+}
+
+/// Decisions the servers counted (their `limiter_decisions_total`).
+#[derive(Debug, Clone, Copy, Default, Serialize)]
+pub struct ServerCounts {
+    /// Allowed.
+    pub allowed: f64,
+    /// Rejected (enforced or in shadow mode).
+    pub rejected: f64,
+}
+
+impl ServerCounts {
+    /// Adds one node's `/metrics`.
+    pub fn add(&mut self, body: &str) {
+        let m = "limiter_decisions_total";
+        self.allowed += metric(body, m, &["decision=\"allowed\""]);
+        self.rejected += metric(body, m, &["decision=\"rejected\""]);
+        self.rejected += metric(body, m, &["decision=\"shadow_rejected\""]);
+    }
+}
+
+/// What a run learns besides the records.
+#[derive(Debug, Clone, Default)]
+pub struct Extras {
+    /// Agent calls to owners.
+    pub owner_calls: Option<u64>,
+    /// Faults done.
+    pub events: Vec<FaultEvent>,
+    /// Lease fates over time.
+    pub samples: Vec<LeaseSample>,
+    /// The servers' own counts at the end.
+    pub server: ServerCounts,
+    /// Server nodes that died on their own.
+    pub crashed: Vec<String>,
+}
+
+/// Totals of a run.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct Totals {
+    /// Planned arrivals.
+    pub offered: u64,
+    /// Sent.
+    pub sent: u64,
+    /// Not sent: the gateway had its maximum in flight.
+    pub unsent: u64,
+    /// Sent later than `late_after` after their arrival.
+    pub late: u64,
+    /// Admitted.
+    pub admitted: u64,
+    /// Rejected.
+    pub rejected: u64,
+    /// No answer.
+    pub errors: u64,
+    /// Rejections by reason.
+    pub rejected_by_reason: BTreeMap<String, u64>,
+    /// Errors by kind.
+    pub errors_by_kind: BTreeMap<String, u64>,
+    /// Admissions by who decided (`remote`, `local`, `owner`, `fallback`).
+    pub admitted_by_source: BTreeMap<String, u64>,
+}
+
+/// One second of the run.
+#[derive(Debug, Clone, Copy, Default, Serialize)]
+pub struct Second {
+    /// Seconds from the start.
+    pub t: u64,
+    /// Planned arrivals.
+    pub offered: u64,
+    /// Sent.
+    pub sent: u64,
+    /// Admitted.
+    pub admitted: u64,
+    /// Rejected.
+    pub rejected: u64,
+    /// No answer.
+    pub errors: u64,
+    /// Sent late or not at all.
+    pub late: u64,
+    /// Units admitted.
+    pub admitted_units: u64,
+    /// Units the exact model admits.
+    pub ideal_units: u64,
+}
+
+/// Latency percentiles, in microseconds, from the planned arrival to the answer.
+#[derive(Debug, Clone, Copy, Default, Serialize)]
+pub struct Latency {
+    /// Answers measured.
+    pub count: u64,
+    /// Median.
+    pub p50: f64,
+    /// 90th.
+    pub p90: f64,
+    /// 99th.
+    pub p99: f64,
+    /// 99.9th.
+    pub p999: f64,
+    /// Maximum.
+    pub max: f64,
+    /// Mean.
+    pub mean: f64,
+}
+
+/// Accuracy against the exact model.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct Accuracy {
+    /// Units the model admits of what was sent.
+    pub ideal_units: u64,
+    /// Units admitted.
+    pub admitted_units: u64,
+    /// Units admitted beyond each tenant's ideal allowance, summed.
+    pub overshoot_units: u64,
+    /// Units of each tenant's ideal allowance rejected, summed.
+    pub false_rejected_units: u64,
+    /// `overshoot_units / ideal_units`.
+    pub overshoot_ratio: f64,
+    /// `false_rejected_units / ideal_units`.
+    pub false_rejection_ratio: f64,
+    /// The tenants furthest from their allowance (at most 10).
+    pub worst: Vec<TenantAccuracy>,
+}
+
+/// One tenant's accuracy.
+#[derive(Debug, Clone, Serialize)]
+pub struct TenantAccuracy {
+    /// Its name.
+    pub tenant: String,
+    /// Its tallies.
+    #[serde(flatten)]
+    pub tally: TenantTally,
+    /// Overshoot, units.
+    pub overshoot: u64,
+    /// False rejections, units.
+    pub false_rejections: u64,
+}
+
+/// What each route did when its owner was out of reach (agents).
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct RouteOutcome {
+    /// The route.
+    pub route: String,
+    /// Admitted.
+    pub admitted: u64,
+    /// Rejected.
+    pub rejected: u64,
+    /// Admitted by the failure policy (failed open, under the emergency ceiling).
+    pub failed_open: u64,
+    /// Rejected by the failure policy (`limiter_unavailable` or the emergency ceiling).
+    pub failed_closed: u64,
+}
+
+/// A fault and what traffic did meanwhile.
+#[derive(Debug, Clone, Serialize)]
+pub struct FaultReport {
+    /// What was done, when.
+    pub what: String,
+    /// Whether it could be done.
+    pub done: bool,
+    /// The interval judged, seconds from the start.
+    pub window: (f64, f64),
+    /// Units admitted in it.
+    pub admitted_units: u64,
+    /// Units the exact model admits in it.
+    pub ideal_units: u64,
+    /// Units admitted beyond each tenant's allowance in it, summed.
+    pub overshoot_units: u64,
+    /// Units of allowance rejected in it, summed.
+    pub false_rejected_units: u64,
+    /// Requests decided by the failure policy in it: admitted, rejected.
+    pub fallback: (u64, u64),
+}
+
+/// The report of a run.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct Report {
+    /// The scenario's name.
+    pub scenario: String,
+    /// The API called.
+    pub target: String,
+    /// Simulated gateways.
+    pub gateways: usize,
+    /// Planned length, seconds.
+    pub duration_s: f64,
+    /// This machine's cores.
+    pub cores: usize,
+    /// Totals.
+    pub totals: Totals,
+    /// Latency of answered requests.
+    pub latency: Latency,
+    /// Accuracy.
+    pub accuracy: Accuracy,
+    /// Agent calls to owners per 1000 decisions.
+    pub owner_calls_per_1000: Option<f64>,
+    /// Per second.
+    pub per_second: Vec<Second>,
+    /// Per route.
+    pub routes: Vec<RouteOutcome>,
+    /// Faults.
+    pub faults: Vec<FaultReport>,
+    /// Lease fates over time (servers the run started).
+    pub leases: Vec<LeaseSample>,
+    /// What the servers counted.
+    pub server: ServerCounts,
+    /// Nodes that died on their own.
+    pub crashed: Vec<String>,
+}
+
+const SEC: u64 = 1_000_000_000;
+
+/// Builds the report of `records`, given the exact model's decisions `ideal`.
+#[allow(clippy::cast_precision_loss)]
+pub fn build(s: &Scenario, names: &Names, records: &[Record], ideal: &[bool], x: Extras) -> Report {
+    let late_after = crate::run::nanos(s.late_after);
+    let mut totals = Totals { offered: records.len() as u64, ..Default::default() };
+    let seconds = usize::try_from(s.duration().as_secs()).unwrap_or(0) + 1;
+    let mut per_second: Vec<Second> =
+        (0..seconds as u64).map(|t| Second { t, ..Default::default() }).collect();
+    let mut hist = Histogram::<u64>::new_with_bounds(1, 3_600_000_000, 3).expect("valid bounds");
+    let mut routes: Vec<RouteOutcome> = names
+        .routes
+        .iter()
+        .map(|r| RouteOutcome { route: r.clone(), ..Default::default() })
+        .collect();
+    for (r, &ok) in records.iter().zip(ideal) {
+        let sec = usize::try_from(r.at / SEC).unwrap_or(usize::MAX).min(seconds - 1);
+        let b = &mut per_second[sec];
+        b.offered += 1;
+        if ok {
+            b.ideal_units += r.cost;
+        }
+        let late = r.kind == Kind::Unsent || r.sent.saturating_sub(r.at) > late_after;
+        if late {
+            b.late += 1;
+        }
+        if r.kind == Kind::Unsent {
+            totals.unsent += 1;
+            continue;
+        }
+        totals.sent += 1;
+        b.sent += 1;
+        if late {
+            totals.late += 1;
+        }
+        let ro = &mut routes[usize::from(r.route)];
+        match r.kind {
+            Kind::Admitted => {
+                totals.admitted += 1;
+                b.admitted += 1;
+                b.admitted_units += r.cost;
+                ro.admitted += 1;
+                if r.source == Source::Fallback {
+                    ro.failed_open += 1;
+                }
+                *totals.admitted_by_source.entry(source_name(r.source).to_owned()).or_default() +=
+                    1;
+            }
+            Kind::Rejected => {
+                totals.rejected += 1;
+                b.rejected += 1;
+                ro.rejected += 1;
+                if r.source == Source::Fallback
+                    || LABELS[usize::from(r.label)] == "limiter_unavailable"
+                {
+                    ro.failed_closed += 1;
+                }
+                *totals
+                    .rejected_by_reason
+                    .entry(LABELS[usize::from(r.label)].to_owned())
+                    .or_default() += 1;
+            }
+            Kind::Error => {
+                totals.errors += 1;
+                b.errors += 1;
+                *totals
+                    .errors_by_kind
+                    .entry(LABELS[usize::from(r.label)].to_owned())
+                    .or_default() += 1;
+            }
+            Kind::Unsent => {}
+        }
+        if r.kind != Kind::Error {
+            let _ = hist.record(r.latency.max(1));
+        }
+    }
+    let us = |q: f64| hist.value_at_quantile(q) as f64 / 1000.0;
+    let latency = Latency {
+        count: hist.len(),
+        p50: us(0.5),
+        p90: us(0.9),
+        p99: us(0.99),
+        p999: us(0.999),
+        max: hist.max() as f64 / 1000.0,
+        mean: hist.mean() / 1000.0,
+    };
+
+    let tallies = model::tally(records, ideal, names.tenants.len());
+    let accuracy = accuracy(&tallies, names);
+
+    let run_len = s.duration();
+    let faults = x
+        .events
+        .iter()
+        .map(|e| {
+            let (from, to) = e.fault.window(run_len);
+            let (a, b) = (crate::run::nanos(from), crate::run::nanos(to));
+            let inside: Vec<bool> = records.iter().map(|r| r.at >= a && r.at < b).collect();
+            let sub: Vec<Record> =
+                records.iter().zip(&inside).filter(|(_, i)| **i).map(|(r, _)| *r).collect();
+            let sub_ideal: Vec<bool> =
+                ideal.iter().zip(&inside).filter(|(_, i)| **i).map(|(o, _)| *o).collect();
+            let t = model::tally(&sub, &sub_ideal, names.tenants.len());
+            let fb = |k: Kind| {
+                sub.iter().filter(|r| r.kind == k && r.source == Source::Fallback).count() as u64
+            };
+            FaultReport {
+                what: e.fault.describe(),
+                done: e.done,
+                window: (from.as_secs_f64(), to.as_secs_f64()),
+                admitted_units: t.iter().map(|x| x.admitted).sum(),
+                ideal_units: t.iter().map(|x| x.ideal).sum(),
+                overshoot_units: t.iter().map(TenantTally::overshoot).sum(),
+                false_rejected_units: t.iter().map(TenantTally::false_rejections).sum(),
+                fallback: (fb(Kind::Admitted), fb(Kind::Rejected)),
+            }
+        })
+        .collect();
+    let decisions = totals.admitted + totals.rejected;
+    Report {
+        scenario: s.name.clone(),
+        target: s.target.name().to_owned(),
+        gateways: s.gateways,
+        duration_s: run_len.as_secs_f64(),
+        cores: std::thread::available_parallelism().map_or(1, std::num::NonZero::get),
+        owner_calls_per_1000: x
+            .owner_calls
+            .map(|c| if decisions == 0 { 0.0 } else { c as f64 * 1000.0 / decisions as f64 }),
+        totals,
+        latency,
+        accuracy,
+        per_second,
+        routes,
+        faults,
+        leases: x.samples,
+        server: x.server,
+        crashed: x.crashed,
+    }
+}
+
+#[allow(clippy::cast_precision_loss)]
+fn accuracy(tallies: &[TenantTally], names: &Names) -> Accuracy {
+    let ideal_units: u64 = tallies.iter().map(|t| t.ideal).sum();
+    let overshoot_units: u64 = tallies.iter().map(TenantTally::overshoot).sum();
+    let false_rejected_units: u64 = tallies.iter().map(TenantTally::false_rejections).sum();
+    let mut worst: Vec<TenantAccuracy> = tallies
+        .iter()
+        .enumerate()
+        .filter(|(_, t)| t.overshoot() + t.false_rejections() > 0)
+        .map(|(i, t)| TenantAccuracy {
+            tenant: names.tenants[i].clone(),
+            tally: *t,
+            overshoot: t.overshoot(),
+            false_rejections: t.false_rejections(),
+        })
+        .collect();
+    worst.sort_by_key(|t| std::cmp::Reverse(t.overshoot + t.false_rejections));
+    worst.truncate(10);
+    let ratio = |x: u64| if ideal_units == 0 { 0.0 } else { x as f64 / ideal_units as f64 };
+    Accuracy {
+        ideal_units,
+        admitted_units: tallies.iter().map(|t| t.admitted).sum(),
+        overshoot_units,
+        false_rejected_units,
+        overshoot_ratio: ratio(overshoot_units),
+        false_rejection_ratio: ratio(false_rejected_units),
+        worst,
+    }
+}
+
+fn source_name(s: Source) -> &'static str {
+    match s {
+        Source::Remote => "remote",
+        Source::Local => "local",
+        Source::Owner => "owner",
+        Source::Fallback => "fallback",
+    }
+}
+
+impl Report {
+    /// The report as Markdown (also what the terminal shows).
+    #[allow(clippy::cast_precision_loss)]
+    pub fn markdown(&self) -> String {
+        let t = &self.totals;
+        let secs = self.duration_s.max(1e-9);
+        let mut m = String::new();
+        let _ = writeln!(
+            m,
+            "## {} ({} target, {} gateways, {:.0} s, {} cores)\n",
+            self.scenario, self.target, self.gateways, self.duration_s, self.cores
+        );
+        let _ = writeln!(m, "| offered | sent | unsent | late | admitted | rejected | errors |");
+        let _ = writeln!(m, "| --- | --- | --- | --- | --- | --- | --- |");
+        let _ = writeln!(
+            m,
+            "| {} ({:.0}/s) | {} | {} | {} | {} ({:.0}/s) | {} | {} |\n",
+            t.offered,
+            t.offered as f64 / secs,
+            t.sent,
+            t.unsent,
+            t.late,
+            t.admitted,
+            t.admitted as f64 / secs,
+            t.rejected,
+            t.errors
+        );
+        let l = &self.latency;
+        let _ = writeln!(
+            m,
+            "Latency (µs, from planned arrival to answer, {} answers): p50 {:.0}, p90 {:.0}, p99 {:.0}, p99.9 {:.0}, max {:.0}\n",
+            l.count, l.p50, l.p90, l.p99, l.p999, l.max
+        );
+        if !t.rejected_by_reason.is_empty() {
+            let _ = writeln!(m, "Rejected by reason: {}\n", kv(&t.rejected_by_reason));
+        }
+        if !t.errors_by_kind.is_empty() {
+            let _ = writeln!(m, "Errors: {}\n", kv(&t.errors_by_kind));
+        }
+        if !t.admitted_by_source.is_empty() {
+            let _ = writeln!(m, "Admitted by source: {}\n", kv(&t.admitted_by_source));
+        }
+        let a = &self.accuracy;
+        let _ = writeln!(
+            m,
+            "Accuracy against the exact model: ideal {} units, admitted {}, overshoot {} ({:.2}%), false rejections {} ({:.2}%)\n",
+            a.ideal_units,
+            a.admitted_units,
+            a.overshoot_units,
+            a.overshoot_ratio * 100.0,
+            a.false_rejected_units,
+            a.false_rejection_ratio * 100.0
+        );
+        if let Some(c) = self.owner_calls_per_1000 {
+            let _ = writeln!(m, "Owner calls per 1000 decisions: {c:.1}\n");
+        }
+        if self.routes.iter().any(|r| r.failed_open + r.failed_closed > 0) {
+            let _ = writeln!(
+                m,
+                "| route | admitted | rejected | failed open | failed closed |\n| --- | --- | --- | --- | --- |"
+            );
+            for r in &self.routes {
+                let _ = writeln!(
+                    m,
+                    "| {} | {} | {} | {} | {} |",
+                    r.route, r.admitted, r.rejected, r.failed_open, r.failed_closed
+                );
+            }
+            m.push('\n');
+        }
+        if !self.faults.is_empty() {
+            let _ = writeln!(
+                m,
+                "| fault | window (s) | admitted units | ideal units | overshoot | false rejections | fallback admitted / rejected |\n| --- | --- | --- | --- | --- | --- | --- |"
+            );
+            for f in &self.faults {
+                let _ = writeln!(
+                    m,
+                    "| {}{} | {:.1}-{:.1} | {} | {} | {} | {} | {} / {} |",
+                    f.what,
+                    if f.done { "" } else { " (not done)" },
+                    f.window.0,
+                    f.window.1,
+                    f.admitted_units,
+                    f.ideal_units,
+                    f.overshoot_units,
+                    f.false_rejected_units,
+                    f.fallback.0,
+                    f.fallback.1
+                );
+            }
+            m.push('\n');
+        }
+        if let (Some(first), Some(last)) = (self.leases.first(), self.leases.last())
+            && last.granted > 0.0
+        {
+            let _ = writeln!(
+                m,
+                "Lease units on the servers: granted {:.0}, spent {:.0}, returned {:.0}, written off {:.0}, still out {:.0} (from {:.1} s to {:.1} s)\n",
+                last.granted - first.granted,
+                last.spent - first.spent,
+                last.returned - first.returned,
+                last.written_off - first.written_off,
+                last.outstanding,
+                first.t,
+                last.t
+            );
+        }
+        for c in &self.crashed {
+            let _ = writeln!(m, "**{c}**\n");
+        }
+        m
+    }
+
+    /// When lease units were first written off after `after` seconds, and how many by
+    /// the end.
+    pub fn written_off_after(&self, after: f64) -> Option<(f64, f64)> {
+        let base = self.leases.iter().rev().find(|s| s.t <= after)?.written_off;
+        let first = self.leases.iter().find(|s| s.t > after && s.written_off > base)?;
+        let last = self.leases.last()?;
+        Some((first.t, last.written_off - base))
+    }
+}
+
+fn kv(m: &BTreeMap<String, u64>) -> String {
+    m.iter().map(|(k, v)| format!("{k} {v}")).collect::<Vec<_>>().join(", ")
+}
+
+/// A progress bar with live rates, drawn only on a terminal.
+pub fn progress_bar(total: u64, live: Arc<Live>, _late_after: Duration) -> indicatif::ProgressBar {
+    use std::io::IsTerminal as _;
+    let bar = if std::io::stderr().is_terminal() {
+        indicatif::ProgressBar::new(total)
+    } else {
+        indicatif::ProgressBar::hidden()
+    };
+    bar.set_style(
+        indicatif::ProgressStyle::with_template("{bar:30} {pos}/{len} {elapsed} {msg}")
+            .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+    );
+    let b = bar.clone();
+    tokio::spawn(async move {
+        let mut last = (0u64, 0u64);
+        let mut tick = tokio::time::interval(Duration::from_millis(500));
+        loop {
+            tick.tick().await;
+            if b.is_finished() {
+                break;
+            }
+            let done = live.done.load(Ordering::Relaxed);
+            let adm = live.admitted.load(Ordering::Relaxed);
+            b.set_position(done);
+            b.set_message(format!(
+                "{}/s answered, {}/s admitted, {} rejected, {} errors, {} late",
+                (done - last.0) * 2,
+                (adm - last.1) * 2,
+                live.rejected.load(Ordering::Relaxed),
+                live.errors.load(Ordering::Relaxed),
+                live.late.load(Ordering::Relaxed)
+            ));
+            last = (done, adm);
+        }
+    });
+    bar
+}

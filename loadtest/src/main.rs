@@ -63,10 +63,7 @@ fn run(args: &[String]) -> anyhow::Result<()> {
     let mut it = args.iter();
     while let Some(a) = it.next() {
         match a.as_str() {
-            "--out" => {
-                out =
-                    PathBuf::from(it.next().ok_or_else(|| anyhow::anyhow!("--out needs a folder"))?)
-            }
+            "--out" => out = PathBuf::from(value(it.next(), "--out")?),
             f if file.is_none() && !f.starts_with('-') => file = Some(PathBuf::from(f)),
             other => anyhow::bail!("unexpected argument `{other}`\n{USAGE}"),
         }
@@ -86,21 +83,18 @@ fn run(args: &[String]) -> anyhow::Result<()> {
     Ok(())
 }
 
+fn value<'a>(v: Option<&'a String>, flag: &str) -> anyhow::Result<&'a String> {
+    v.ok_or_else(|| anyhow::anyhow!("{flag} needs a value\n{USAGE}"))
+}
+
 fn bench(args: &[String]) -> anyhow::Result<()> {
     let mut opts = loadtest::bench::Options::default();
     let mut it = args.iter();
     while let Some(a) = it.next() {
         match a.as_str() {
             "--quick" => opts.quick = true,
-            "--out" => {
-                opts.out =
-                    PathBuf::from(it.next().ok_or_else(|| anyhow::anyhow!("--out needs a file"))?)
-            }
-            "--charts" => {
-                opts.charts = PathBuf::from(
-                    it.next().ok_or_else(|| anyhow::anyhow!("--charts needs a folder"))?,
-                )
-            }
+            "--out" => opts.out = PathBuf::from(value(it.next(), "--out")?),
+            "--charts" => opts.charts = PathBuf::from(value(it.next(), "--charts")?),
             other => anyhow::bail!("unexpected argument `{other}`\n{USAGE}"),
         }
     }

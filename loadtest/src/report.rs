@@ -556,12 +556,12 @@ impl Report {
         m
     }
 
-    /// When lease units were first written off after `after` seconds, and how many by
-    /// the end.
-    pub fn written_off_after(&self, after: f64) -> Option<(f64, f64)> {
-        let base = self.leases.iter().rev().find(|s| s.t <= after)?.written_off;
-        let first = self.leases.iter().find(|s| s.t > after && s.written_off > base)?;
-        let last = self.leases.last()?;
+    /// Lease units written off between `from` and `to` seconds: when the first were
+    /// seen, and how many in all.
+    pub fn written_off_between(&self, from: f64, to: f64) -> Option<(f64, f64)> {
+        let base = self.leases.iter().rev().find(|s| s.t <= from)?.written_off;
+        let first = self.leases.iter().find(|s| s.t > from && s.t <= to && s.written_off > base)?;
+        let last = self.leases.iter().rev().find(|s| s.t <= to)?;
         Some((first.t, last.written_off - base))
     }
 }

@@ -331,27 +331,28 @@ pub async fn run(s: &Scenario, opts: Options) -> anyhow::Result<Report> {
             let _ = c.wait();
         }
     }
-    // One more sample once returns have settled.
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    // One more sample once returns have settled: servers publish their lease totals
+    // every 500 ms.
+    tokio::time::sleep(Duration::from_millis(1100)).await;
     sampler.abort();
     let records = collector.await.context("collecting records")?;
     if let Some(b) = bar {
         b.finish_and_clear();
     }
     let mut crashed = Vec::new();
-    let mut server = report::ServerCounts::default();
+    let mut live_admins = Vec::new();
     for n in nodes.lock().iter_mut() {
         if let Some(st) = n.exited() {
             crashed.push(format!("{} exited on its own: {st}", n.id));
-        } else if n.running()
-            && let Some((_, body)) = procs::http_get(n.admin, "/metrics").await
-        {
-            server.add(&body);
+        } else if n.running() {
+            live_admins.push(n.admin);
         }
     }
+    let mut server = report::ServerCounts::default();
     let mut final_sample = LeaseSample { t: start.elapsed().as_secs_f64(), ..Default::default() };
-    for n in nodes.lock().iter().filter(|n| n.running()) {
-        if let Some((_, body)) = procs::http_get(n.admin, "/metrics").await {
+    for a in live_admins {
+        if let Some((_, body)) = procs::http_get(a, "/metrics").await {
+            server.add(&body);
             final_sample.add(&body);
         }
     }

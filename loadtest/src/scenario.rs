@@ -399,7 +399,9 @@ impl Scenario {
         if raw.tenants.list().is_empty() {
             errors.push("tenants: at least one".to_owned());
         }
-        if raw.tenants.skew == Skew::Zipf && !(raw.tenants.zipf_s > 0.0) {
+        if raw.tenants.skew == Skew::Zipf
+            && raw.tenants.zipf_s.partial_cmp(&0.0) != Some(std::cmp::Ordering::Greater)
+        {
             errors.push("tenants.zipf_s: must be above 0".to_owned());
         }
         if raw.tenants.skew == Skew::Hot && !(0.0..=1.0).contains(&raw.tenants.hot_share) {

@@ -84,15 +84,19 @@ fn serve(args: &[String]) -> ExitCode {
         Ok(c) => c,
         Err(e) => return bad_config(e),
     };
-    let server = match Server::new(config.clone()) {
-        Ok(s) => s,
-        Err(e) => return bad_config(e),
-    };
     let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
         Ok(r) => r,
         Err(e) => {
             eprintln!("cannot start the runtime: {e}");
             return ExitCode::FAILURE;
+        }
+    };
+    // Stores start their connection tasks as they are built (Redis): inside the runtime.
+    let server = {
+        let _runtime = runtime.enter();
+        match Server::new(config.clone()) {
+            Ok(s) => s,
+            Err(e) => return bad_config(e),
         }
     };
     runtime.block_on(async move {

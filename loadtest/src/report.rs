@@ -14,7 +14,7 @@ use crate::model::{self, TenantTally};
 use crate::procs::metric;
 use crate::record::{Kind, LABELS, Record, Source};
 use crate::run::Live;
-use crate::scenario::{Fault, Scenario};
+use crate::scenario::{Action, Fault, FaultTarget, Scenario};
 use crate::target::Names;
 
 /// A fault as it happened.
@@ -202,7 +202,9 @@ pub struct RouteOutcome {
     pub rejected: u64,
     /// Admitted by the failure policy (failed open, under the emergency ceiling).
     pub failed_open: u64,
-    /// Rejected by the failure policy (`limiter_unavailable` or the emergency ceiling).
+    /// Rejected by a fail-open policy's emergency ceiling.
+    pub over_emergency_ceiling: u64,
+    /// Rejected by the failure policy: the route fails closed (`limiter_unavailable`).
     pub failed_closed: u64,
 }
 
@@ -223,7 +225,8 @@ pub struct FaultReport {
     pub overshoot_units: u64,
     /// Units of allowance rejected in it, summed.
     pub false_rejected_units: u64,
-    /// Requests decided by the failure policy in it: admitted, rejected.
+    /// Requests decided by the failure policy in it (of the faulted gateway, for a
+    /// gateway fault): admitted, rejected.
     pub fallback: (u64, u64),
 }
 
@@ -242,8 +245,12 @@ pub struct Report {
     pub cores: usize,
     /// Totals.
     pub totals: Totals,
-    /// Latency of answered requests.
+    /// Response time of answered requests: from the planned arrival to the answer
+    /// (what a caller waited, delays in sending included).
     pub latency: Latency,
+    /// Service time of answered requests: from the send to the answer (what the
+    /// transport and the server took; the timer's lateness in sending left out).
+    pub service: Latency,
     /// Accuracy.
     pub accuracy: Accuracy,
     /// Agent calls to owners per 1000 decisions.
@@ -264,15 +271,35 @@ pub struct Report {
 
 const SEC: u64 = 1_000_000_000;
 
+impl Latency {
+    /// Percentiles of a histogram of nanoseconds, in microseconds.
+    #[allow(clippy::cast_precision_loss)]
+    fn of(h: &Histogram<u64>) -> Self {
+        let us = |q: f64| h.value_at_quantile(q) as f64 / 1000.0;
+        Self {
+            count: h.len(),
+            p50: us(0.5),
+            p90: us(0.9),
+            p99: us(0.99),
+            p999: us(0.999),
+            max: h.max() as f64 / 1000.0,
+            mean: h.mean() / 1000.0,
+        }
+    }
+}
+
 /// Builds the report of `records`, given the exact model's decisions `ideal`.
 #[allow(clippy::cast_precision_loss)]
 pub fn build(s: &Scenario, names: &Names, records: &[Record], ideal: &[bool], x: Extras) -> Report {
     let late_after = crate::run::nanos(s.late_after);
     let mut totals = Totals { offered: records.len() as u64, ..Default::default() };
-    let seconds = usize::try_from(s.duration().as_secs()).unwrap_or(0) + 1;
+    // Whole seconds of the plan (a last partial second is a bucket of its own).
+    let seconds =
+        usize::try_from(crate::run::nanos(s.duration()).div_ceil(SEC)).unwrap_or(0).max(1);
     let mut per_second: Vec<Second> =
         (0..seconds as u64).map(|t| Second { t, ..Default::default() }).collect();
-    let mut hist = Histogram::<u64>::new_with_bounds(1, 3_600_000_000, 3).expect("valid bounds");
+    let new_hist = || Histogram::<u64>::new_with_bounds(1, 3_600_000_000, 3).expect("valid bounds");
+    let (mut hist, mut service_hist) = (new_hist(), new_hist());
     let mut routes: Vec<RouteOutcome> = names
         .routes
         .iter()
@@ -315,10 +342,10 @@ pub fn build(s: &Scenario, names: &Names, records: &[Record], ideal: &[bool], x:
                 totals.rejected += 1;
                 b.rejected += 1;
                 ro.rejected += 1;
-                if r.source == Source::Fallback
-                    || LABELS[usize::from(r.label)] == "limiter_unavailable"
-                {
-                    ro.failed_closed += 1;
+                match LABELS[usize::from(r.label)] {
+                    "limiter_unavailable" => ro.failed_closed += 1,
+                    "emergency_ceiling" => ro.over_emergency_ceiling += 1,
+                    _ => {}
                 }
                 *totals
                     .rejected_by_reason
@@ -337,18 +364,11 @@ pub fn build(s: &Scenario, names: &Names, records: &[Record], ideal: &[bool], x:
         }
         if r.kind != Kind::Error {
             let _ = hist.record(r.latency.max(1));
+            let _ = service_hist.record((r.at + r.latency).saturating_sub(r.sent).max(1));
         }
     }
-    let us = |q: f64| hist.value_at_quantile(q) as f64 / 1000.0;
-    let latency = Latency {
-        count: hist.len(),
-        p50: us(0.5),
-        p90: us(0.9),
-        p99: us(0.99),
-        p999: us(0.999),
-        max: hist.max() as f64 / 1000.0,
-        mean: hist.mean() / 1000.0,
-    };
+    let latency = Latency::of(&hist);
+    let service = Latency::of(&service_hist);
 
     let tallies = model::tally(records, ideal, names.tenants.len());
     let accuracy = accuracy(&tallies, names);
@@ -358,7 +378,16 @@ pub fn build(s: &Scenario, names: &Names, records: &[Record], ideal: &[bool], x:
         .events
         .iter()
         .map(|e| {
-            let (from, to) = e.fault.window(run_len);
+            let (from, mut to) = e.fault.window(run_len);
+            // A killed node is down until it is restarted.
+            if let Action::Kill(t) = &e.fault.action {
+                let back = s.faults.iter().filter(|f| f.at > from);
+                if let Some(r) =
+                    back.filter(|f| f.action == Action::Restart(t.clone())).map(|f| f.at).min()
+                {
+                    to = to.min(r);
+                }
+            }
             let (a, b) = (crate::run::nanos(from), crate::run::nanos(to));
             let inside: Vec<bool> = records.iter().map(|r| r.at >= a && r.at < b).collect();
             let sub: Vec<Record> =
@@ -366,8 +395,22 @@ pub fn build(s: &Scenario, names: &Names, records: &[Record], ideal: &[bool], x:
             let sub_ideal: Vec<bool> =
                 ideal.iter().zip(&inside).filter(|(_, i)| **i).map(|(o, _)| *o).collect();
             let t = model::tally(&sub, &sub_ideal, names.tenants.len());
+            // The failure policy's decisions of the gateway a fault is about, or of all.
+            let only = match &e.fault.action {
+                Action::Kill(t) | Action::Cut(t, _) => {
+                    match crate::scenario::target_of(t, &s.servers, s.gateways, s.gateway_processes)
+                    {
+                        Ok(FaultTarget::Gateway(g)) => u16::try_from(g).ok(),
+                        _ => None,
+                    }
+                }
+                Action::Restart(_) | Action::StopRedis(_) => None,
+            };
             let fb = |k: Kind| {
-                sub.iter().filter(|r| r.kind == k && r.source == Source::Fallback).count() as u64
+                sub.iter()
+                    .filter(|r| only.is_none_or(|g| r.gateway == g))
+                    .filter(|r| r.kind == k && r.source == Source::Fallback)
+                    .count() as u64
             };
             FaultReport {
                 what: e.fault.describe(),
@@ -393,6 +436,7 @@ pub fn build(s: &Scenario, names: &Names, records: &[Record], ideal: &[bool], x:
             .map(|c| if decisions == 0 { 0.0 } else { c as f64 * 1000.0 / decisions as f64 }),
         totals,
         latency,
+        service,
         accuracy,
         per_second,
         routes,
@@ -469,12 +513,16 @@ impl Report {
             t.rejected,
             t.errors
         );
-        let l = &self.latency;
-        let _ = writeln!(
-            m,
-            "Latency (µs, from planned arrival to answer, {} answers): p50 {:.0}, p90 {:.0}, p99 {:.0}, p99.9 {:.0}, max {:.0}\n",
-            l.count, l.p50, l.p90, l.p99, l.p999, l.max
-        );
+        for (what, l) in [
+            ("Response time (µs, from planned arrival to answer", &self.latency),
+            ("Service time (µs, from send to answer", &self.service),
+        ] {
+            let _ = writeln!(
+                m,
+                "{what}, {} answers): p50 {:.0}, p90 {:.0}, p99 {:.0}, p99.9 {:.0}, max {:.0}\n",
+                l.count, l.p50, l.p90, l.p99, l.p999, l.max
+            );
+        }
         if !t.rejected_by_reason.is_empty() {
             let _ = writeln!(m, "Rejected by reason: {}\n", kv(&t.rejected_by_reason));
         }
@@ -498,16 +546,25 @@ impl Report {
         if let Some(c) = self.owner_calls_per_1000 {
             let _ = writeln!(m, "Owner calls per 1000 decisions: {c:.1}\n");
         }
-        if self.routes.iter().any(|r| r.failed_open + r.failed_closed > 0) {
+        if self
+            .routes
+            .iter()
+            .any(|r| r.failed_open + r.over_emergency_ceiling + r.failed_closed > 0)
+        {
             let _ = writeln!(
                 m,
-                "| route | admitted | rejected | failed open | failed closed |\n| --- | --- | --- | --- | --- |"
+                "| route | admitted | rejected | failed open: admitted | failed open: over the emergency ceiling | failed closed |\n| --- | --- | --- | --- | --- | --- |"
             );
             for r in &self.routes {
                 let _ = writeln!(
                     m,
-                    "| {} | {} | {} | {} | {} |",
-                    r.route, r.admitted, r.rejected, r.failed_open, r.failed_closed
+                    "| {} | {} | {} | {} | {} | {} |",
+                    r.route,
+                    r.admitted,
+                    r.rejected,
+                    r.failed_open,
+                    r.over_emergency_ceiling,
+                    r.failed_closed
                 );
             }
             m.push('\n');

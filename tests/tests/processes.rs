@@ -116,3 +116,27 @@ async fn sigterm_turns_readiness_off_then_exits_cleanly() {
     };
     assert_eq!(code, Some(0));
 }
+
+#[path = "../../limiter-server/tests/common/redis.rs"]
+#[allow(dead_code)]
+mod redis;
+
+/// The server's command line on the Redis store: the store's connection tasks start
+/// inside the runtime (they once panicked the process before it served anything).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_command_line_serves_from_redis() {
+    let redis = redis::RedisServer::start();
+    let dir = tempfile::tempdir().unwrap();
+    let policy = dir.path().join("policies.yaml");
+    std::fs::write(&policy, POLICY).unwrap();
+    let (grpc, admin) = (free_addr(), free_addr());
+    let env = [
+        ("LIMITER__STORE__KIND".to_owned(), "redis".to_owned()),
+        ("LIMITER__STORE__REDIS__URL".to_owned(), redis.url()),
+    ];
+    let owner = ServerProcess::spawn(bin(), &policy, grpc, admin, 0, &env);
+    owner.wait_ready().await;
+    let agent = Agent::new(AgentConfig::new(owner.url(), "gw")).unwrap();
+    assert!(agent.decide(&req("/closed")).await.unwrap().allowed);
+    assert!(owner.metric("limiter_store_calls_total", &[]).await > 0.0);
+}

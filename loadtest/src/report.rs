@@ -117,7 +117,7 @@ pub struct Totals {
 }
 
 /// One second of the run.
-#[derive(Debug, Clone, Copy, Default, Serialize)]
+#[derive(Debug, Clone, Default, Serialize)]
 pub struct Second {
     /// Seconds from the start.
     pub t: u64,
@@ -129,6 +129,8 @@ pub struct Second {
     pub admitted: u64,
     /// Rejected.
     pub rejected: u64,
+    /// Rejections by reason.
+    pub rejected_by_reason: BTreeMap<String, u64>,
     /// No answer.
     pub errors: u64,
     /// Sent late or not at all.
@@ -173,8 +175,8 @@ pub struct Accuracy {
     pub overshoot_ratio: f64,
     /// `false_rejected_units / ideal_units`.
     pub false_rejection_ratio: f64,
-    /// The tenants furthest from their allowance (at most 10).
-    pub worst: Vec<TenantAccuracy>,
+    /// Every tenant, the furthest from its allowance first.
+    pub tenants: Vec<TenantAccuracy>,
 }
 
 /// One tenant's accuracy.
@@ -342,15 +344,14 @@ pub fn build(s: &Scenario, names: &Names, records: &[Record], ideal: &[bool], x:
                 totals.rejected += 1;
                 b.rejected += 1;
                 ro.rejected += 1;
-                match LABELS[usize::from(r.label)] {
+                let reason = LABELS[usize::from(r.label)];
+                match reason {
                     "limiter_unavailable" => ro.failed_closed += 1,
                     "emergency_ceiling" => ro.over_emergency_ceiling += 1,
                     _ => {}
                 }
-                *totals
-                    .rejected_by_reason
-                    .entry(LABELS[usize::from(r.label)].to_owned())
-                    .or_default() += 1;
+                *totals.rejected_by_reason.entry(reason.to_owned()).or_default() += 1;
+                *b.rejected_by_reason.entry(reason.to_owned()).or_default() += 1;
             }
             Kind::Error => {
                 totals.errors += 1;
@@ -452,10 +453,9 @@ fn accuracy(tallies: &[TenantTally], names: &Names) -> Accuracy {
     let ideal_units: u64 = tallies.iter().map(|t| t.ideal).sum();
     let overshoot_units: u64 = tallies.iter().map(TenantTally::overshoot).sum();
     let false_rejected_units: u64 = tallies.iter().map(TenantTally::false_rejections).sum();
-    let mut worst: Vec<TenantAccuracy> = tallies
+    let mut tenants: Vec<TenantAccuracy> = tallies
         .iter()
         .enumerate()
-        .filter(|(_, t)| t.overshoot() + t.false_rejections() > 0)
         .map(|(i, t)| TenantAccuracy {
             tenant: names.tenants[i].clone(),
             tally: *t,
@@ -463,8 +463,7 @@ fn accuracy(tallies: &[TenantTally], names: &Names) -> Accuracy {
             false_rejections: t.false_rejections(),
         })
         .collect();
-    worst.sort_by_key(|t| std::cmp::Reverse(t.overshoot + t.false_rejections));
-    worst.truncate(10);
+    tenants.sort_by_key(|t| std::cmp::Reverse(t.overshoot + t.false_rejections));
     let ratio = |x: u64| if ideal_units == 0 { 0.0 } else { x as f64 / ideal_units as f64 };
     Accuracy {
         ideal_units,
@@ -473,7 +472,7 @@ fn accuracy(tallies: &[TenantTally], names: &Names) -> Accuracy {
         false_rejected_units,
         overshoot_ratio: ratio(overshoot_units),
         false_rejection_ratio: ratio(false_rejected_units),
-        worst,
+        tenants,
     }
 }
 
@@ -543,6 +542,25 @@ impl Report {
             a.false_rejected_units,
             a.false_rejection_ratio * 100.0
         );
+        let off: Vec<String> = a
+            .tenants
+            .iter()
+            .take_while(|t| t.overshoot + t.false_rejections > 0)
+            .take(5)
+            .map(|t| {
+                format!(
+                    "{} +{} / -{} of {}",
+                    t.tenant, t.overshoot, t.false_rejections, t.tally.ideal
+                )
+            })
+            .collect();
+        if !off.is_empty() {
+            let _ = writeln!(
+                m,
+                "Furthest from their allowance (units over / under, of the ideal): {}\n",
+                off.join(", ")
+            );
+        }
         if let Some(c) = self.owner_calls_per_1000 {
             let _ = writeln!(m, "Owner calls per 1000 decisions: {c:.1}\n");
         }

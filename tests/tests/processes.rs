@@ -118,7 +118,6 @@ async fn sigterm_turns_readiness_off_then_exits_cleanly() {
 }
 
 #[path = "../../limiter-server/tests/common/redis.rs"]
-#[allow(dead_code)]
 mod redis;
 
 /// The server's command line on the Redis store: the store's connection tasks start

@@ -80,6 +80,9 @@ fn run(args: &[String]) -> anyhow::Result<()> {
     std::fs::write(base.with_extension("md"), &md)?;
     std::fs::write(base.with_extension("svg"), loadtest::chart::run_chart(&report))?;
     eprintln!("report: {}.{{json,md,svg}}", base.display());
+    let broken: Vec<&str> =
+        report.invariants.iter().filter(|i| !i.holds).map(|i| i.name.as_str()).collect();
+    anyhow::ensure!(broken.is_empty(), "invariants broken: {}", broken.join("; "));
     Ok(())
 }
 

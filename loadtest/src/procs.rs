@@ -58,6 +58,8 @@ pub struct Node {
     pub admin: SocketAddr,
     env: Vec<(String, String)>,
     child: Option<Child>,
+    /// Its standard error (searched for panics at the end).
+    log: PathBuf,
 }
 
 impl Node {
@@ -74,12 +76,19 @@ impl Node {
     ) -> anyhow::Result<Vec<Node>> {
         let mut nodes = Vec::new();
         for i in 0..n {
+            let grpc = free_addr()?;
+            let log = std::env::temp_dir().join(format!(
+                "loadtest-{}-node{i}-{}.log",
+                std::process::id(),
+                grpc.port()
+            ));
             nodes.push(Node {
                 id: format!("node{i}"),
-                grpc: free_addr()?,
+                grpc,
                 admin: free_addr()?,
                 env: Vec::new(),
                 child: None,
+                log,
             });
         }
         let peers = nodes.iter().map(|n| format!("{}={}", n.id, n.grpc)).collect::<Vec<_>>();
@@ -115,14 +124,18 @@ impl Node {
     }
 
     fn spawn(&mut self) -> anyhow::Result<()> {
-        let log = std::env::var_os("LOADTEST_SERVER_LOG").is_some();
+        let verbose = std::env::var_os("LOADTEST_SERVER_LOG").is_some();
+        if verbose {
+            eprintln!("{} logs to {}", self.id, self.log.display());
+        }
+        let log = std::fs::OpenOptions::new().create(true).append(true).open(&self.log)?;
         let child = Command::new(own_binary()?)
             .env(ROLE, "server")
-            .env("RUST_LOG", if log { "info" } else { "warn" })
+            .env("RUST_LOG", if verbose { "info" } else { "warn" })
             .envs(self.env.iter().map(|(k, v)| (k, v)))
             .stdin(Stdio::null())
             .stdout(Stdio::null())
-            .stderr(if log { Stdio::inherit() } else { Stdio::null() })
+            .stderr(log)
             .spawn()
             .context("starting a server node")?;
         self.child = Some(child);
@@ -176,11 +189,21 @@ impl Node {
     pub fn exited(&mut self) -> Option<std::process::ExitStatus> {
         self.child.as_mut().and_then(|c| c.try_wait().ok().flatten())
     }
+
+    /// The first panic its log shows, in any of its lives (a panicking task does not
+    /// end the process).
+    pub fn panic(&self) -> Option<String> {
+        let text = std::fs::read_to_string(&self.log).ok()?;
+        text.lines().find(|l| l.contains("panicked at")).map(str::to_owned)
+    }
 }
 
 impl Drop for Node {
     fn drop(&mut self) {
         self.kill();
+        if std::env::var_os("LOADTEST_SERVER_LOG").is_none() {
+            let _ = std::fs::remove_file(&self.log);
+        }
     }
 }
 

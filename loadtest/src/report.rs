@@ -89,6 +89,19 @@ pub struct Extras {
     pub server: ServerCounts,
     /// Server nodes that died on their own.
     pub crashed: Vec<String>,
+    /// The longest lease the policy gives on the routes offered, in seconds.
+    pub lease_ttl_s: f64,
+}
+
+/// A property a chaos run must keep, and whether it did.
+#[derive(Debug, Clone, Serialize)]
+pub struct Invariant {
+    /// What must hold.
+    pub name: String,
+    /// Whether it held.
+    pub holds: bool,
+    /// The figures behind the verdict.
+    pub detail: String,
 }
 
 /// Totals of a run.
@@ -269,6 +282,8 @@ pub struct Report {
     pub server: ServerCounts,
     /// Nodes that died on their own.
     pub crashed: Vec<String>,
+    /// Chaos runs: the invariants checked.
+    pub invariants: Vec<Invariant>,
 }
 
 const SEC: u64 = 1_000_000_000;
@@ -426,6 +441,8 @@ pub fn build(s: &Scenario, names: &Names, records: &[Record], ideal: &[bool], x:
         })
         .collect();
     let decisions = totals.admitted + totals.rejected;
+    let invariants =
+        if s.chaos { invariants(s, records, &tallies, &totals, &service, &x) } else { Vec::new() };
     Report {
         scenario: s.name.clone(),
         target: s.target.name().to_owned(),
@@ -445,7 +462,90 @@ pub fn build(s: &Scenario, names: &Names, records: &[Record], ideal: &[bool], x:
         leases: x.samples,
         server: x.server,
         crashed: x.crashed,
+        invariants,
     }
+}
+
+/// The invariants of a chaos run (README, "Load tests": what they mean).
+#[allow(clippy::cast_precision_loss, clippy::cast_possible_truncation, clippy::cast_sign_loss)]
+fn invariants(
+    s: &Scenario,
+    records: &[Record],
+    tallies: &[TenantTally],
+    totals: &Totals,
+    service: &Latency,
+    x: &Extras,
+) -> Vec<Invariant> {
+    let mut out = Vec::new();
+    let deadline_us = s.timeout.as_secs_f64() * 1e6;
+    out.push(Invariant {
+        name: "every request sent and answered within its deadline".to_owned(),
+        holds: totals.errors == 0 && totals.unsent == 0 && service.max <= deadline_us,
+        detail: format!(
+            "{} sent, {} unsent, {} errors, slowest answer {:.1} ms (deadline {:.0} ms)",
+            totals.sent,
+            totals.unsent,
+            totals.errors,
+            service.max / 1000.0,
+            deadline_us / 1000.0
+        ),
+    });
+    out.push(Invariant {
+        name: "no process crashed or panicked".to_owned(),
+        holds: x.crashed.is_empty(),
+        detail: if x.crashed.is_empty() { "none".to_owned() } else { x.crashed.join("; ") },
+    });
+    // Per tenant: what the failure policy admitted for it, plus the units a lease may
+    // still spend after the bucket refilled under it (its sustained rate x the lease
+    // TTL), plus one request.
+    let mut fallback = vec![0u64; tallies.len()];
+    let mut max_cost = 0;
+    for r in records {
+        max_cost = max_cost.max(r.cost);
+        if r.kind == Kind::Admitted && r.source == Source::Fallback {
+            fallback[r.tenant as usize] += r.cost;
+        }
+    }
+    let secs = s.duration().as_secs_f64().max(1e-9);
+    let mut worst = (0.0f64, 0u64, 0u64, 0usize);
+    let mut over = 0;
+    for (i, t) in tallies.iter().enumerate() {
+        let bound = fallback[i] + (t.ideal as f64 / secs * x.lease_ttl_s).ceil() as u64 + max_cost;
+        if t.overshoot() > bound {
+            over += 1;
+        }
+        let share = t.overshoot() as f64 / bound.max(1) as f64;
+        if share >= worst.0 {
+            worst = (share, t.overshoot(), bound, i);
+        }
+    }
+    out.push(Invariant {
+        name: "per-tenant overshoot within its bound (fail-open admissions + rate x lease TTL + one request)".to_owned(),
+        holds: over == 0,
+        detail: format!(
+            "{over} of {} tenants over; closest: tenant #{} with {} units over against a bound of {}",
+            tallies.len(),
+            worst.3,
+            worst.1,
+            worst.2
+        ),
+    });
+    let lost = x.samples.last().map(|l| {
+        (l.granted - l.spent - l.returned - l.written_off - l.outstanding, l.outstanding, *l)
+    });
+    out.push(Invariant {
+        name:
+            "no lease units lost once healthy (granted = spent + returned + written off, none out)"
+                .to_owned(),
+        holds: lost.is_some_and(|(d, o, _)| d.abs() < 0.5 && o < 0.5),
+        detail: lost.map_or("no lease figures".to_owned(), |(_, _, l)| {
+            format!(
+                "granted {:.0} = spent {:.0} + returned {:.0} + written off {:.0} + out {:.0}",
+                l.granted, l.spent, l.returned, l.written_off, l.outstanding
+            )
+        }),
+    });
+    out
 }
 
 #[allow(clippy::cast_precision_loss)]
@@ -627,6 +727,19 @@ impl Report {
         }
         for c in &self.crashed {
             let _ = writeln!(m, "**{c}**\n");
+        }
+        if !self.invariants.is_empty() {
+            let _ = writeln!(m, "| invariant | holds | figures |\n| --- | --- | --- |");
+            for i in &self.invariants {
+                let _ = writeln!(
+                    m,
+                    "| {} | {} | {} |",
+                    i.name,
+                    if i.holds { "yes" } else { "**NO**" },
+                    i.detail
+                );
+            }
+            m.push('\n');
         }
         m
     }

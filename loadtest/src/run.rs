@@ -121,6 +121,10 @@ pub fn nanos(d: Duration) -> u64 {
 struct GatewayProc {
     child: Option<Child>,
     owner_calls: Arc<AtomicU64>,
+    /// Killed by a fault (its end is not a crash).
+    killed: bool,
+    /// How it ended on its own.
+    status: Option<std::process::ExitStatus>,
 }
 
 /// Runs `s` and reports.
@@ -216,7 +220,9 @@ pub async fn run(s: &Scenario, opts: Options) -> anyhow::Result<Report> {
                 Action::Kill(t) => match target(t) {
                     Some(FaultTarget::Node(i)) => nodes.lock()[i].kill(),
                     Some(FaultTarget::Gateway(i)) => {
-                        if let Some(mut c) = gateway_procs.lock()[i].child.take() {
+                        let mut procs = gateway_procs.lock();
+                        procs[i].killed = true;
+                        if let Some(mut c) = procs[i].child.take() {
                             let _ = c.kill();
                             let _ = c.wait();
                         }
@@ -301,13 +307,17 @@ pub async fn run(s: &Scenario, opts: Options) -> anyhow::Result<Report> {
     // Gateway processes end on their own after their plan (or were killed).
     let deadline = Instant::now() + s.duration() + s.timeout + Duration::from_secs(20);
     loop {
-        let running = gateway_procs
-            .lock()
-            .iter_mut()
-            .filter_map(|p| p.child.as_mut())
-            .filter_map(|c| c.try_wait().ok())
-            .filter(Option::is_none)
-            .count();
+        let mut running = 0;
+        for p in gateway_procs.lock().iter_mut() {
+            match p.child.as_mut().map(Child::try_wait) {
+                Some(Ok(Some(st))) => {
+                    p.status = Some(st);
+                    p.child = None;
+                }
+                Some(_) => running += 1,
+                None => {}
+            }
+        }
         if running == 0 || Instant::now() > deadline {
             break;
         }
@@ -325,27 +335,40 @@ pub async fn run(s: &Scenario, opts: Options) -> anyhow::Result<Report> {
         t.shutdown().await;
     }
     drop(in_process);
-    for p in gateway_procs.lock().iter_mut() {
+    let mut hung = Vec::new();
+    for (g, p) in gateway_procs.lock().iter_mut().enumerate() {
         if let Some(mut c) = p.child.take() {
+            hung.push(format!("gateway{g} did not end within its plan and deadline"));
             let _ = c.kill();
             let _ = c.wait();
         }
     }
     // One more sample once returns have settled: servers publish their lease totals
     // every 500 ms.
-    tokio::time::sleep(Duration::from_millis(1100)).await;
+    tokio::time::sleep(Duration::from_millis(1100) + s.settle).await;
     sampler.abort();
     let records = collector.await.context("collecting records")?;
     if let Some(b) = bar {
         b.finish_and_clear();
     }
-    let mut crashed = Vec::new();
+    let mut crashed = hung;
     let mut live_admins = Vec::new();
     for n in nodes.lock().iter_mut() {
         if let Some(st) = n.exited() {
             crashed.push(format!("{} exited on its own: {st}", n.id));
         } else if n.running() {
             live_admins.push(n.admin);
+        }
+        if let Some(p) = n.panic() {
+            crashed.push(format!("{} panicked: {p}", n.id));
+        }
+    }
+    for (g, p) in gateway_procs.lock().iter().enumerate() {
+        match p.status {
+            Some(st) if !st.success() && !p.killed => {
+                crashed.push(format!("gateway{g} ended with {st}"));
+            }
+            _ => {}
         }
     }
     let mut server = report::ServerCounts::default();
@@ -357,6 +380,9 @@ pub async fn run(s: &Scenario, opts: Options) -> anyhow::Result<Report> {
         }
     }
     samples.lock().push(final_sample);
+    #[allow(clippy::cast_precision_loss)]
+    let lease_ttl_s =
+        names.routes.iter().map(|r| policy.route(r).lease.ttl).max().unwrap_or(0) as f64 / 1e9;
     let ideal = crate::model::decide_all(&policy, &names, &records, s.target == TargetKind::Envoy);
     let events = std::mem::take(&mut *events.lock());
     let samples = std::mem::take(&mut *samples.lock());
@@ -366,7 +392,7 @@ pub async fn run(s: &Scenario, opts: Options) -> anyhow::Result<Report> {
         &names,
         &records,
         &ideal,
-        report::Extras { owner_calls, events, samples, server, crashed },
+        report::Extras { owner_calls, events, samples, server, crashed, lease_ttl_s },
     ))
 }
 
@@ -402,5 +428,5 @@ fn spawn_gateway(
             }
         }
     });
-    Ok(GatewayProc { child: Some(child), owner_calls })
+    Ok(GatewayProc { child: Some(child), owner_calls, killed: false, status: None })
 }

@@ -282,6 +282,38 @@ struct Raw {
     late_after: Span,
     #[serde(default)]
     faults: Vec<RawFault>,
+    #[serde(default)]
+    chaos: Option<RawChaos>,
+    #[serde(default)]
+    settle: Span,
+}
+
+/// What chaos may do.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ChaosKind {
+    /// SIGKILL a node, restart it after the outage.
+    KillNode,
+    /// Cut a gateway off for the outage.
+    CutGateway,
+    /// Stop Redis for the outage.
+    StopRedis,
+}
+
+/// Random faults, drawn from a seed when the scenario is read.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawChaos {
+    #[serde(default = "default_seed")]
+    seed: u64,
+    faults: usize,
+    kinds: Vec<ChaosKind>,
+    /// Longest outage.
+    outage: Span,
+    /// No fault starts before.
+    from: Span,
+    /// Every fault is over by.
+    until: Span,
 }
 
 fn default_seed() -> u64 {
@@ -347,6 +379,11 @@ pub struct Scenario {
     pub faults: Vec<Fault>,
     /// The YAML it was read from (gateway processes read it again).
     pub source: String,
+    /// Whether the faults were drawn at random (the run then checks its invariants).
+    pub chaos: bool,
+    /// How long the run waits after the load before its last look at the servers
+    /// (leases of killed gateways end, returns settle).
+    pub settle: Duration,
 }
 
 impl Scenario {
@@ -468,9 +505,17 @@ impl Scenario {
             }
             faults.push(Fault { at: f.at.0, action });
         }
+        let chaos = raw.chaos.is_some();
+        if let Some(c) = &raw.chaos {
+            match draw_chaos(c, &servers, raw.gateways, raw.gateway_processes) {
+                Ok(mut drawn) => faults.append(&mut drawn),
+                Err(e) => errors.push(format!("chaos: {e}")),
+            }
+        }
         if !errors.is_empty() {
             bail!("{}", errors.join("\n"));
         }
+        faults.sort_by_key(|f| f.at);
         Ok(Self {
             name: raw.name,
             target: raw.target,
@@ -488,6 +533,8 @@ impl Scenario {
             late_after: raw.late_after.0,
             faults,
             source: text.to_owned(),
+            chaos,
+            settle: raw.settle.0,
         })
     }
 
@@ -551,4 +598,71 @@ pub fn target_of(
         return Ok(FaultTarget::Gateway(i));
     }
     Err(format!("`{name}`: expected node<i> or gateway<i>"))
+}
+
+/// Draws `c.faults` faults of the kinds allowed, each lasting between a third of the
+/// outage and all of it, inside `[from, until]`; no resource (a node, a gateway,
+/// Redis) has two at once, and a killed node is restarted when its outage ends.
+fn draw_chaos(
+    c: &RawChaos,
+    servers: &Servers,
+    gateways: usize,
+    processes: bool,
+) -> Result<Vec<Fault>, String> {
+    let (nodes, redis) = match servers {
+        Servers::Own(s) => (s.nodes, s.store == Store::Redis),
+        Servers::External { .. } => return Err("needs servers the run starts".to_owned()),
+    };
+    if c.kinds.is_empty() || c.faults == 0 {
+        return Err("give kinds and a number of faults".to_owned());
+    }
+    if c.outage.0.is_zero() || c.from.0 + c.outage.0 > c.until.0 {
+        return Err("from + outage must not pass until".to_owned());
+    }
+    for k in &c.kinds {
+        match k {
+            ChaosKind::StopRedis if !redis => {
+                return Err("stop_redis needs servers.store: redis".to_owned());
+            }
+            ChaosKind::CutGateway if !processes => {
+                return Err("cut_gateway needs gateway_processes: true".to_owned());
+            }
+            _ => {}
+        }
+    }
+    let mut rng = crate::workload::Rng::new(c.seed);
+    let mut free_at: std::collections::HashMap<String, Duration> = std::collections::HashMap::new();
+    let mut out = Vec::new();
+    let span = (c.until.0 - c.outage.0 - c.from.0).as_secs_f64();
+    let mut tries = 0;
+    while out.iter().filter(|f: &&Fault| !matches!(f.action, Action::Restart(_))).count() < c.faults
+    {
+        tries += 1;
+        if tries > 100 * c.faults {
+            return Err("cannot place that many faults without overlaps: fewer faults, or a longer interval".to_owned());
+        }
+        let kind = c.kinds[usize::try_from(rng.next_u64() % c.kinds.len() as u64).unwrap_or(0)];
+        let at = c.from.0 + Duration::from_secs_f64(span * rng.unit());
+        let d = c.outage.0.mul_f64(1.0 / 3.0 + 2.0 / 3.0 * rng.unit());
+        let resource = match kind {
+            ChaosKind::KillNode => format!("node{}", rng.next_u64() % nodes as u64),
+            ChaosKind::CutGateway => format!("gateway{}", rng.next_u64() % gateways as u64),
+            ChaosKind::StopRedis => "redis".to_owned(),
+        };
+        if free_at.get(&resource).is_some_and(|&t| t > at) {
+            continue;
+        }
+        // Leave the resource alone a while after its fault: the next one then finds
+        // it recovered.
+        free_at.insert(resource.clone(), at + d + Duration::from_secs(1));
+        match kind {
+            ChaosKind::KillNode => {
+                out.push(Fault { at, action: Action::Kill(resource.clone()) });
+                out.push(Fault { at: at + d, action: Action::Restart(resource) });
+            }
+            ChaosKind::CutGateway => out.push(Fault { at, action: Action::Cut(resource, d) }),
+            ChaosKind::StopRedis => out.push(Fault { at, action: Action::StopRedis(d) }),
+        }
+    }
+    Ok(out)
 }

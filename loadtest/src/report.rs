@@ -390,9 +390,10 @@ pub fn build(s: &Scenario, names: &Names, records: &[Record], ideal: &[bool], x:
     let accuracy = accuracy(&tallies, names);
 
     let run_len = s.duration();
-    let faults = x
-        .events
-        .iter()
+    let mut events: Vec<&FaultEvent> = x.events.iter().collect();
+    events.sort_by_key(|e| e.fault.at);
+    let faults = events
+        .into_iter()
         .map(|e| {
             let (from, mut to) = e.fault.window(run_len);
             // A killed node is down until it is restarted.

@@ -33,6 +33,7 @@ tenants:
     limit: { algorithm: sliding_log, limit: 100, window: 10s }
 ";
 
+#[allow(dead_code)] // each target uses some of them
 pub struct Services {
     pub native: NativeService,
     pub envoy: EnvoyService,

@@ -147,6 +147,9 @@ impl Limiter {
             }
         }
         if let Some((first, retry_after)) = failed {
+            for i in 0..locked.len() {
+                locked.touch(i, now);
+            }
             let level = chain.levels().nth(first).expect("failing level exists");
             return Decision::Rejected {
                 reason: level.scope.reason(),

@@ -276,6 +276,18 @@ impl Locked<'_, '_> {
             .map(|s| &s.state)
     }
 
+    /// Marks key `i` as used at `now` without changing its state: a rejection reads a
+    /// counter that is in use, which must not be the first evicted (a flood of new
+    /// keys would otherwise reset an exhausted tenant).
+    #[inline]
+    pub fn touch(&mut self, i: usize, now: Nanos) {
+        let key = self.keys[i];
+        let map = self.guards[usize::from(self.guard_of[i])].as_mut().expect("guard locked");
+        if let Some(s) = map.find_mut(self.hashes[i], |s| key.matches(&s.key)) {
+            s.last_seen = s.last_seen.max(now);
+        }
+    }
+
     /// The slot of key `i`, created (or reset, if built for another limit) as needed,
     /// with `last_seen` set to `now`.
     #[inline]

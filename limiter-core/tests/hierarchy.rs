@@ -258,3 +258,35 @@ proptest! {
         }
     }
 }
+
+/// A full table evicts the least recently used counters. A tenant that is exhausted
+/// and keeps being refused is in use: a flood of new tenants must not evict its
+/// counter, which would give it a fresh allowance.
+#[test]
+fn a_refused_tenant_is_not_evicted_by_a_flood_of_new_ones() {
+    let p = policy(
+        "
+version: 1
+unknown_tenants: use_default
+routes: { /r: {} }
+tenants:
+  hot:
+    limit: { algorithm: fixed_window, limit: 3, window: 1h }
+  default:
+    limit: { algorithm: fixed_window, limit: 5, window: 1h }
+",
+    );
+    let l = Limiter::new(256);
+    let hour = 3_600 * NANOS_PER_SEC;
+    let mut admitted = 0;
+    let names: Vec<String> = (0..20_000).map(|i| format!("flood-{i}")).collect();
+    for (i, name) in names.iter().enumerate() {
+        let now = hour + i as u64 * 1_000;
+        assert!(decide(&l, &p, Request::new(name, "/r"), now).is_allowed());
+        if i % 4 == 0 {
+            admitted += u64::from(decide(&l, &p, Request::new("hot", "/r"), now).is_allowed());
+        }
+    }
+    assert!(l.table().stats().evicted_live > 10_000);
+    assert_eq!(admitted, 3, "the hot tenant's counter was evicted and reset");
+}

@@ -76,6 +76,9 @@ fn group(groups: &mut Vec<(Member, Vec<usize>)>, owner: Member, i: usize) {
     }
 }
 
+/// Decisions of a batch made between two yields to the runtime.
+const YIELD_EVERY: usize = 64;
+
 async fn decide_here(
     owner: &Owner,
     reqs: &[pb::ShouldAllowRequest],
@@ -84,12 +87,30 @@ async fn decide_here(
 ) -> Result<Vec<Outcome>, (usize, ServerError)> {
     let mut out = Vec::with_capacity(idx.len());
     let later = idx.iter().any(|&i| reqs[i].report_later);
-    if !later {
+    if !later && idx.len() <= YIELD_EVERY {
         let core: Vec<Request<'_>> = idx.iter().map(|&i| convert::request(&reqs[i])).collect();
         return owner
             .decide_with(Api::Native, &core, false, false, unreachable)
             .await
             .map_err(|(j, e)| (idx[j], e));
+    }
+    if !later {
+        // A large batch is decided in parts, yielding between them, so that one
+        // caller's batches cannot hold a worker while single decisions wait. Everything
+        // is validated first: a bad request still refuses the batch before any charge.
+        owner
+            .validate(idx.iter().map(|&i| convert::request(&reqs[i])))
+            .map_err(|(j, e)| (idx[j], e))?;
+        for part in idx.chunks(YIELD_EVERY) {
+            let core: Vec<Request<'_>> = part.iter().map(|&i| convert::request(&reqs[i])).collect();
+            let o = owner
+                .decide_with(Api::Native, &core, false, false, unreachable)
+                .await
+                .map_err(|(j, e)| (part[j], e))?;
+            out.extend(o);
+            tokio::task::yield_now().await;
+        }
+        return Ok(out);
     }
     for &i in idx {
         let core = convert::request(&reqs[i]);

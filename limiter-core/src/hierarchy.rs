@@ -128,7 +128,7 @@ impl Limiter {
         let mut failed: Option<(usize, Nanos)> = None;
         for (i, level) in chain.levels().enumerate() {
             let limit = &level.rule.limit;
-            let state = locked.get(i, limit).unwrap_or(&fresh);
+            let state = locked.get_used(i, limit, now).unwrap_or(&fresh);
             match limit.check(state, now, cost) {
                 Check::Admit { remaining } => {
                     // A dry run charges nothing, so nothing is taken off what is left.
@@ -147,9 +147,6 @@ impl Limiter {
             }
         }
         if let Some((first, retry_after)) = failed {
-            for i in 0..locked.len() {
-                locked.touch(i, now);
-            }
             let level = chain.levels().nth(first).expect("failing level exists");
             return Decision::Rejected {
                 reason: level.scope.reason(),
@@ -227,7 +224,7 @@ impl Limiter {
         let hold = chain.grant_hold(now, hold);
         for (i, level) in chain.levels().enumerate() {
             let limit = &level.rule.limit;
-            let r = limit.remaining(locked.get(i, limit).unwrap_or(&fresh), now);
+            let r = limit.remaining(locked.get_used(i, limit, now).unwrap_or(&fresh), now);
             if r < units {
                 units = r;
                 binding = Some(level.scope);

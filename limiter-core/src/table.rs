@@ -276,16 +276,17 @@ impl Locked<'_, '_> {
             .map(|s| &s.state)
     }
 
-    /// Marks key `i` as used at `now` without changing its state: a rejection reads a
-    /// counter that is in use, which must not be the first evicted (a flood of new
-    /// keys would otherwise reset an exhausted tenant).
+    /// The state of key `i` for `limit`, like [`Self::get`], marking the key as used at
+    /// `now`. A decision that only reads (a refusal, a dry run, an empty grant) still
+    /// uses the counter, which must not be the first evicted: a flood of new keys would
+    /// otherwise evict an exhausted tenant's counter and give it a fresh allowance.
     #[inline]
-    pub fn touch(&mut self, i: usize, now: Nanos) {
+    pub fn get_used(&mut self, i: usize, limit: &Limit, now: Nanos) -> Option<&LimitState> {
         let key = self.keys[i];
         let map = self.guards[usize::from(self.guard_of[i])].as_mut().expect("guard locked");
-        if let Some(s) = map.find_mut(self.hashes[i], |s| key.matches(&s.key)) {
-            s.last_seen = s.last_seen.max(now);
-        }
+        let s = map.find_mut(self.hashes[i], |s| key.matches(&s.key))?;
+        s.last_seen = s.last_seen.max(now);
+        (*s.limit == *limit).then_some(&s.state)
     }
 
     /// The slot of key `i`, created (or reset, if built for another limit) as needed,

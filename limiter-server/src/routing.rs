@@ -87,28 +87,25 @@ async fn decide_here(
 ) -> Result<Vec<Outcome>, (usize, ServerError)> {
     let mut out = Vec::with_capacity(idx.len());
     let later = idx.iter().any(|&i| reqs[i].report_later);
-    if !later && idx.len() <= YIELD_EVERY {
-        let core: Vec<Request<'_>> = idx.iter().map(|&i| convert::request(&reqs[i])).collect();
-        return owner
-            .decide_with(Api::Native, &core, false, false, unreachable)
-            .await
-            .map_err(|(j, e)| (idx[j], e));
-    }
     if !later {
         // A large batch is decided in parts, yielding between them, so that one
-        // caller's batches cannot hold a worker while single decisions wait. Everything
-        // is validated first: a bad request still refuses the batch before any charge.
-        owner
-            .validate(idx.iter().map(|&i| convert::request(&reqs[i])))
-            .map_err(|(j, e)| (idx[j], e))?;
-        for part in idx.chunks(YIELD_EVERY) {
+        // caller's batches cannot hold a worker while single decisions wait. It is
+        // validated whole first: a bad request still refuses it before any charge.
+        if idx.len() > YIELD_EVERY {
+            owner
+                .validate(idx.iter().map(|&i| convert::request(&reqs[i])))
+                .map_err(|(j, e)| (idx[j], e))?;
+        }
+        for (n, part) in idx.chunks(YIELD_EVERY).enumerate() {
+            if n > 0 {
+                tokio::task::yield_now().await;
+            }
             let core: Vec<Request<'_>> = part.iter().map(|&i| convert::request(&reqs[i])).collect();
             let o = owner
                 .decide_with(Api::Native, &core, false, false, unreachable)
                 .await
                 .map_err(|(j, e)| (part[j], e))?;
             out.extend(o);
-            tokio::task::yield_now().await;
         }
         return Ok(out);
     }

@@ -262,26 +262,6 @@ pub async fn run(opts: &Options) -> anyhow::Result<()> {
             );
         }
     }
-    for f in &faults.faults {
-        let _ = writeln!(
-            md,
-            "- {}: admitted {} units against an allowance of {} (exact model): {} over, {} under; the failure policy admitted {} and rejected {} requests.",
-            f.what,
-            f.admitted_units,
-            f.ideal_units,
-            f.overshoot_units,
-            f.false_rejected_units,
-            f.fallback.0,
-            f.fallback.1
-        );
-    }
-    for r in &faults.routes {
-        let _ = writeln!(
-            md,
-            "- Route `{}`: {} requests admitted failing open, {} rejected by the emergency ceiling while failing open, {} rejected failing closed.",
-            r.route, r.failed_open, r.over_emergency_ceiling, r.failed_closed
-        );
-    }
     let a = &faults.accuracy;
     let _ = writeln!(
         md,
@@ -289,6 +269,8 @@ pub async fn run(opts: &Options) -> anyhow::Result<()> {
         a.overshoot_ratio * 100.0,
         a.false_rejection_ratio * 100.0
     );
+    md.push_str(&faults.faults_table());
+    md.push_str(&faults.routes_table());
 
     // 6: latency against exactness.
     let mut points = Vec::new();

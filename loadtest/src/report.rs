@@ -8,11 +8,12 @@ use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use hdrhistogram::Histogram;
+use limiter_core::Reason;
 use serde::Serialize;
 
 use crate::model::{self, TenantTally};
 use crate::procs::metric;
-use crate::record::{Kind, LABELS, Record, Source};
+use crate::record::{Kind, LABELS, Record, Source, reason_label};
 use crate::run::Live;
 use crate::scenario::{Action, Fault, FaultTarget, Scenario};
 use crate::target::Names;
@@ -359,12 +360,12 @@ pub fn build(s: &Scenario, names: &Names, records: &[Record], ideal: &[bool], x:
                 totals.rejected += 1;
                 b.rejected += 1;
                 ro.rejected += 1;
-                let reason = LABELS[usize::from(r.label)];
-                match reason {
-                    "limiter_unavailable" => ro.failed_closed += 1,
-                    "emergency_ceiling" => ro.over_emergency_ceiling += 1,
-                    _ => {}
+                if r.label == reason_label(Reason::LimiterUnavailable) {
+                    ro.failed_closed += 1;
+                } else if r.label == reason_label(Reason::EmergencyCeiling) {
+                    ro.over_emergency_ceiling += 1;
                 }
+                let reason = LABELS[usize::from(r.label)];
                 *totals.rejected_by_reason.entry(reason.to_owned()).or_default() += 1;
                 *b.rejected_by_reason.entry(reason.to_owned()).or_default() += 1;
             }
@@ -665,52 +666,8 @@ impl Report {
         if let Some(c) = self.owner_calls_per_1000 {
             let _ = writeln!(m, "Owner calls per 1000 decisions: {c:.1}\n");
         }
-        if self
-            .routes
-            .iter()
-            .any(|r| r.failed_open + r.over_emergency_ceiling + r.failed_closed > 0)
-        {
-            let _ = writeln!(
-                m,
-                "| route | admitted | rejected | failed open: admitted | failed open: over the emergency ceiling | failed closed |\n| --- | --- | --- | --- | --- | --- |"
-            );
-            for r in &self.routes {
-                let _ = writeln!(
-                    m,
-                    "| {} | {} | {} | {} | {} | {} |",
-                    r.route,
-                    r.admitted,
-                    r.rejected,
-                    r.failed_open,
-                    r.over_emergency_ceiling,
-                    r.failed_closed
-                );
-            }
-            m.push('\n');
-        }
-        if !self.faults.is_empty() {
-            let _ = writeln!(
-                m,
-                "| fault | window (s) | admitted units | ideal units | overshoot | false rejections | fallback admitted / rejected |\n| --- | --- | --- | --- | --- | --- | --- |"
-            );
-            for f in &self.faults {
-                let _ = writeln!(
-                    m,
-                    "| {}{} | {:.1}-{:.1} | {} | {} | {} | {} | {} / {} |",
-                    f.what,
-                    if f.done { "" } else { " (not done)" },
-                    f.window.0,
-                    f.window.1,
-                    f.admitted_units,
-                    f.ideal_units,
-                    f.overshoot_units,
-                    f.false_rejected_units,
-                    f.fallback.0,
-                    f.fallback.1
-                );
-            }
-            m.push('\n');
-        }
+        m.push_str(&self.routes_table());
+        m.push_str(&self.faults_table());
         if let (Some(first), Some(last)) = (self.leases.first(), self.leases.last())
             && last.granted > 0.0
         {
@@ -745,6 +702,66 @@ impl Report {
         m
     }
 
+    /// Per route, what the failure policy decided, as Markdown (empty when it decided
+    /// nothing).
+    pub fn routes_table(&self) -> String {
+        let mut m = String::new();
+        if self
+            .routes
+            .iter()
+            .any(|r| r.failed_open + r.over_emergency_ceiling + r.failed_closed > 0)
+        {
+            let _ = writeln!(
+                m,
+                "| route | admitted | rejected | failed open: admitted | failed open: over the emergency ceiling | failed closed |\n| --- | --- | --- | --- | --- | --- |"
+            );
+            for r in &self.routes {
+                let _ = writeln!(
+                    m,
+                    "| {} | {} | {} | {} | {} | {} |",
+                    r.route,
+                    r.admitted,
+                    r.rejected,
+                    r.failed_open,
+                    r.over_emergency_ceiling,
+                    r.failed_closed
+                );
+            }
+            m.push('\n');
+        }
+        m
+    }
+
+    /// Per fault, accuracy and failure-policy decisions in its interval, as Markdown
+    /// (empty without faults).
+    pub fn faults_table(&self) -> String {
+        let mut m = String::new();
+        if !self.faults.is_empty() {
+            let _ = writeln!(
+                m,
+                "| fault | window (s) | admitted units | ideal units | overshoot | false rejections | fallback admitted / rejected |\n| --- | --- | --- | --- | --- | --- | --- |"
+            );
+            for f in &self.faults {
+                let _ = writeln!(
+                    m,
+                    "| {}{} | {:.1}-{:.1} | {} | {} | {} | {} | {} / {} |",
+                    f.what,
+                    if f.done { "" } else { " (not done)" },
+                    f.window.0,
+                    f.window.1,
+                    f.admitted_units,
+                    f.ideal_units,
+                    f.overshoot_units,
+                    f.false_rejected_units,
+                    f.fallback.0,
+                    f.fallback.1
+                );
+            }
+            m.push('\n');
+        }
+        m
+    }
+
     /// Lease units written off between `from` and `to` seconds: when the first were
     /// seen, and how many in all.
     pub fn written_off_between(&self, from: f64, to: f64) -> Option<(f64, f64)> {
@@ -760,7 +777,7 @@ fn kv(m: &BTreeMap<String, u64>) -> String {
 }
 
 /// A progress bar with live rates, drawn only on a terminal.
-pub fn progress_bar(total: u64, live: Arc<Live>, _late_after: Duration) -> indicatif::ProgressBar {
+pub fn progress_bar(total: u64, live: Arc<Live>) -> indicatif::ProgressBar {
     use std::io::IsTerminal as _;
     let bar = if std::io::stderr().is_terminal() {
         indicatif::ProgressBar::new(total)

@@ -2,6 +2,7 @@
 //! gateway, inject its faults, collect every request's record, and report.
 
 use std::io::{BufRead as _, BufReader};
+use std::net::SocketAddr;
 use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
@@ -139,7 +140,10 @@ pub async fn run(s: &Scenario, opts: Options) -> anyhow::Result<Report> {
     // Servers.
     let mut redis = None;
     let nodes: Arc<Mutex<Vec<Node>>> = Arc::new(Mutex::new(Vec::new()));
-    let mut upstreams = Vec::new();
+    // Where gateways connect: (the address a relay forwards to, the URL).
+    let mut upstreams: Vec<(Option<SocketAddr>, String)> = Vec::new();
+    // The admin port of a running server the scenario names, for its metrics.
+    let mut external_admin: Option<SocketAddr> = None;
     match &s.servers {
         Servers::Own(own) => {
             let mut env = Vec::new();
@@ -150,10 +154,15 @@ pub async fn run(s: &Scenario, opts: Options) -> anyhow::Result<Report> {
                 redis = Some(r);
             }
             let started = Node::start_all(own.nodes, &s.policy, &env).await?;
-            upstreams = started.iter().map(|n| (n.grpc, n.url())).collect();
+            upstreams = started.iter().map(|n| (Some(n.grpc), n.url())).collect();
             *nodes.lock() = started;
         }
-        Servers::External { address, .. } => upstreams.push((procs::free_addr()?, address.clone())),
+        Servers::External { address, admin } => {
+            upstreams.push((None, address.clone()));
+            if let Some(a) = admin {
+                external_admin = Some(a.parse().with_context(|| format!("admin: `{a}`"))?);
+            }
+        }
     }
     let redis = Arc::new(redis);
 
@@ -165,7 +174,9 @@ pub async fn run(s: &Scenario, opts: Options) -> anyhow::Result<Report> {
                 crate::scenario::target_of(t, &s.servers, s.gateways, s.gateway_processes)
             && relays[g].is_none()
         {
-            relays[g] = Some(Relay::start(upstreams[g % upstreams.len()].0).await?);
+            // Faults are refused for servers the run did not start: these have addresses.
+            let upstream = upstreams[g % upstreams.len()].0.context("a cut needs own servers")?;
+            relays[g] = Some(Relay::start(upstream).await?);
         }
     }
     let url_of = |g: usize| {
@@ -179,17 +190,18 @@ pub async fn run(s: &Scenario, opts: Options) -> anyhow::Result<Report> {
     let start = Instant::now() + lead;
     let start_unix = clock.now() + nanos(lead);
 
-    // Gateways.
+    // Gateways. Each process draws its own plan; the run draws them too, to count.
+    let plans: Vec<Vec<Planned>> = (0..s.gateways).map(|g| workload::plan(s, g)).collect();
+    let total: u64 = plans.iter().map(|p| p.len() as u64).sum();
     let mut tasks = Vec::new();
     let mut in_process = Vec::new();
     let gateway_procs: Arc<Mutex<Vec<GatewayProc>>> = Arc::new(Mutex::new(Vec::new()));
-    for g in 0..s.gateways {
+    for (g, plan) in plans.into_iter().enumerate() {
         if s.gateway_processes {
             gateway_procs.lock().push(spawn_gateway(s, g, &url_of(g), start_unix, tx.clone())?);
         } else {
             let target = Target::new(s.target, &url_of(g), &format!("loadtest-{g}"))?;
             in_process.push(target.clone());
-            let plan = workload::plan(s, g);
             tasks.push(tokio::spawn(drive(
                 g,
                 plan,
@@ -259,8 +271,9 @@ pub async fn run(s: &Scenario, opts: Options) -> anyhow::Result<Report> {
         let (nodes, samples) = (nodes.clone(), samples.clone());
         tokio::spawn(async move {
             loop {
-                let admins: Vec<_> =
+                let running =
                     nodes.lock().iter().filter(|n| n.running()).map(|n| n.admin).collect();
+                let admins: Vec<_> = external_admin.into_iter().chain::<Vec<_>>(running).collect();
                 let mut sample =
                     LeaseSample { t: start.elapsed().as_secs_f64(), ..Default::default() };
                 for a in admins {
@@ -276,8 +289,7 @@ pub async fn run(s: &Scenario, opts: Options) -> anyhow::Result<Report> {
 
     // Collect, with a progress bar.
     let live = Arc::new(Live::default());
-    let total: u64 = (0..s.gateways).map(|g| workload::plan(s, g).len() as u64).sum();
-    let bar = opts.progress.then(|| report::progress_bar(total, live.clone(), s.late_after));
+    let bar = opts.progress.then(|| report::progress_bar(total, live.clone()));
     let late_after = nanos(s.late_after);
     let collector = {
         let live = live.clone();
@@ -352,7 +364,7 @@ pub async fn run(s: &Scenario, opts: Options) -> anyhow::Result<Report> {
         b.finish_and_clear();
     }
     let mut crashed = hung;
-    let mut live_admins = Vec::new();
+    let mut live_admins: Vec<SocketAddr> = external_admin.into_iter().collect();
     for n in nodes.lock().iter_mut() {
         if let Some(st) = n.exited() {
             crashed.push(format!("{} exited on its own: {st}", n.id));

@@ -14,11 +14,11 @@ use limiter_core::policy::FailurePolicy;
 use limiter_core::rate::Rate;
 use limiter_core::ring::{Member, Ring};
 use limiter_core::{Decision, Reason, Scope};
+use limiter_proto::connect::AuthChannel;
 use limiter_proto::limiter::v1 as pb;
 use limiter_proto::limiter::v1::rate_limiter_client::RateLimiterClient;
 use parking_lot::Mutex;
 use tokio_util::sync::CancellationToken;
-use tonic::transport::Channel;
 
 use crate::config::AgentConfig;
 use crate::error::AgentError;
@@ -332,7 +332,7 @@ impl Slots {
 struct Inner {
     config: AgentConfig,
     clock: Arc<dyn Clock>,
-    client: RateLimiterClient<Channel>,
+    client: RateLimiterClient<AuthChannel>,
     slots: Slots,
     breaker: Breaker,
     /// Failure policies learned from the owner's grants, by route.
@@ -345,7 +345,7 @@ struct Inner {
     /// The ring as the owner endpoint last described it (ring routing only).
     ring: Mutex<Option<Arc<Ring>>>,
     /// Clients of the ring's members, by address.
-    members: Mutex<HashMap<Arc<str>, RateLimiterClient<Channel>>>,
+    members: Mutex<HashMap<Arc<str>, RateLimiterClient<AuthChannel>>>,
     /// Wakes the topology task (a redirect was seen).
     stale: Arc<tokio::sync::Notify>,
 }
@@ -454,11 +454,12 @@ impl Agent {
     ///
     /// An invalid owner endpoint.
     pub fn with_clock(config: AgentConfig, clock: Arc<dyn Clock>) -> Result<Self, AgentError> {
-        let endpoint = tonic::transport::Endpoint::from_shared(config.owner.clone())
-            .map_err(|_| AgentError::Endpoint(config.owner.clone()))?
-            .connect_timeout(config.rpc_timeout)
-            .tcp_nodelay(true);
-        let client = RateLimiterClient::new(endpoint.connect_lazy());
+        let timeout = config.rpc_timeout;
+        let channel = config
+            .security
+            .connect_lazy(&config.owner, |e| e.connect_timeout(timeout).tcp_nodelay(true))
+            .map_err(|e| AgentError::Endpoint(format!("{}: {e}", config.owner)))?;
+        let client = RateLimiterClient::new(channel);
         let inner = Arc::new(Inner {
             breaker: Breaker::new(
                 u64::from(config.breaker_threshold),
@@ -646,7 +647,7 @@ impl Inner {
     /// One lease call to one node, within the RPC timeout.
     async fn send(
         &self,
-        mut client: RateLimiterClient<Channel>,
+        mut client: RateLimiterClient<AuthChannel>,
         items: Vec<pb::LeaseItem>,
         epoch: u64,
     ) -> Result<Vec<pb::LeaseGrant>, tonic::Status> {
@@ -661,16 +662,18 @@ impl Inner {
     }
 
     /// The client of the node at `address`.
-    fn member(&self, address: &Arc<str>) -> Result<RateLimiterClient<Channel>, tonic::Status> {
+    fn member(&self, address: &Arc<str>) -> Result<RateLimiterClient<AuthChannel>, tonic::Status> {
         let mut members = self.members.lock();
         if let Some(c) = members.get(address) {
             return Ok(c.clone());
         }
-        let endpoint = tonic::transport::Endpoint::from_shared(format!("http://{address}"))
-            .map_err(|_| tonic::Status::internal(format!("bad member address {address}")))?
-            .connect_timeout(self.config.rpc_timeout)
-            .tcp_nodelay(true);
-        let c = RateLimiterClient::new(endpoint.connect_lazy());
+        let timeout = self.config.rpc_timeout;
+        let channel = self
+            .config
+            .security
+            .connect_lazy(address, |e| e.connect_timeout(timeout).tcp_nodelay(true))
+            .map_err(|e| tonic::Status::internal(format!("member {address}: {e}")))?;
+        let c = RateLimiterClient::new(channel);
         members.insert(address.clone(), c.clone());
         Ok(c)
     }

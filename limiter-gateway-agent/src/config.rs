@@ -4,6 +4,7 @@ use std::collections::HashMap;
 use std::time::Duration;
 
 use limiter_core::policy::FailurePolicy;
+use limiter_proto::connect::ClientSecurity;
 
 /// How an agent reaches its owner and behaves when it cannot.
 #[derive(Debug, Clone)]
@@ -35,6 +36,9 @@ pub struct AgentConfig {
     pub route_by_ring: bool,
     /// How often the ring is read again (also at once after a redirect).
     pub topology_interval: Duration,
+    /// TLS and token of calls to owners (default: plaintext, no token). With TLS,
+    /// `host:port` addresses are dialled as `https://`.
+    pub security: ClientSecurity,
 }
 
 impl AgentConfig {
@@ -53,7 +57,14 @@ impl AgentConfig {
             default_failure: FailurePolicy::FailClosed,
             route_by_ring: false,
             topology_interval: Duration::from_secs(5),
+            security: ClientSecurity::plaintext(),
         }
+    }
+
+    /// Calling owners with `security` (TLS, a client certificate, a token).
+    pub fn with_security(mut self, security: ClientSecurity) -> Self {
+        self.security = security;
+        self
     }
 
     /// Sending lease calls straight to each tenant's owner, by the ring.

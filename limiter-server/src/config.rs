@@ -30,6 +30,7 @@ struct Raw {
     reload: RawReload,
     shutdown: RawShutdown,
     cluster: RawCluster,
+    security: crate::security::RawSecurity,
 }
 
 #[derive(Debug, Deserialize)]
@@ -89,6 +90,7 @@ struct RawLimits {
     max_descriptors: i64,
     max_message_bytes: i64,
     max_open_tickets: i64,
+    max_concurrent_streams: i64,
 }
 
 #[derive(Debug, Deserialize)]
@@ -141,6 +143,7 @@ limits:
   max_descriptors: 16
   max_message_bytes: 65536
   max_open_tickets: 100000
+  max_concurrent_streams: 256
 envoy:
   tenant_from: domain
   tenant_key: tenant
@@ -207,6 +210,8 @@ pub struct Limits {
     pub max_message_bytes: usize,
     /// Tickets of check-now-charge-later requests not yet reported.
     pub max_open_tickets: usize,
+    /// Calls in progress at once on one HTTP/2 connection (more wait in the client).
+    pub max_concurrent_streams: u32,
 }
 
 /// The validated configuration.
@@ -236,6 +241,8 @@ pub struct ServerConfig {
     pub grace: Duration,
     /// Several nodes sharing the tenants.
     pub cluster: ClusterConfig,
+    /// TLS and authentication of the listeners and of calls to peers.
+    pub security: crate::security::SecurityConfig,
 }
 
 /// Where the ring's members come from.
@@ -435,7 +442,11 @@ impl ServerConfig {
         let env: config::Map<String, String> =
             env.into_iter().filter(|(k, _)| k.starts_with("LIMITER__")).collect();
         let mut b = config::Config::builder()
-            .add_source(config::File::from_str(DEFAULTS, config::FileFormat::Yaml));
+            .add_source(config::File::from_str(DEFAULTS, config::FileFormat::Yaml))
+            .add_source(config::File::from_str(
+                crate::security::DEFAULTS,
+                config::FileFormat::Yaml,
+            ));
         if let Some(f) = file {
             b = b.add_source(config::File::from(f).format(config::FileFormat::Yaml));
         }
@@ -609,6 +620,13 @@ impl TryFrom<Raw> for ServerConfig {
                 l.max_open_tickets,
                 100_000_000,
             ),
+            max_concurrent_streams: u32::try_from(positive(
+                &mut errors,
+                "limits.max_concurrent_streams",
+                l.max_concurrent_streams,
+                1 << 20,
+            ))
+            .unwrap_or(1),
         };
         let tenant_from = match raw.envoy.tenant_from.as_str() {
             "domain" => TenantFrom::Domain,
@@ -629,6 +647,8 @@ impl TryFrom<Raw> for ServerConfig {
             millis(&mut errors, "shutdown.drain_delay_ms", raw.shutdown.drain_delay_ms, true);
         let grace = millis(&mut errors, "shutdown.grace_ms", raw.shutdown.grace_ms, true);
         let cluster = cluster_config(&mut errors, &raw.cluster, &raw.listen);
+        let clustered = cluster.membership != Membership::Single;
+        let security = crate::security::config(&mut errors, &raw.security, clustered);
         if !errors.is_empty() {
             return Err(ConfigError(errors));
         }
@@ -649,6 +669,7 @@ impl TryFrom<Raw> for ServerConfig {
             drain_delay,
             grace,
             cluster,
+            security,
         })
     }
 }
@@ -692,6 +713,65 @@ mod tests {
         .unwrap_err();
         let text = e.to_string();
         for needle in ["listen:", "policy_file:", "store.max_keys:", "envoy.tenant_from:"] {
+            assert!(text.contains(needle), "{needle} missing from {text}");
+        }
+    }
+
+    #[test]
+    fn security_settings_are_checked_together() {
+        let load = |pairs: &[(&str, &str)]| {
+            let mut all = vec![("LIMITER__POLICY_FILE", "p.yaml")];
+            all.extend_from_slice(pairs);
+            ServerConfig::load_with_env(None, env(&all))
+        };
+        let c = load(&[
+            ("LIMITER__SECURITY__TOKENS_FILE", "/etc/limiter/tokens"),
+            ("LIMITER__SECURITY__GRPC__CERT_FILE", "/tls/a.pem"),
+            ("LIMITER__SECURITY__GRPC__KEY_FILE", "/tls/a.key"),
+            ("LIMITER__SECURITY__GRPC__AUTH", "token"),
+        ])
+        .unwrap();
+        assert_eq!(c.security.grpc.auth, crate::security::guard::AuthMode::Token);
+        assert!(c.security.grpc.tls.as_ref().is_some_and(|t| t.client_ca.is_none()));
+        assert_eq!(c.security.admin.auth, crate::security::guard::AuthMode::None);
+
+        let text = load(&[
+            ("LIMITER__SECURITY__GRPC__CERT_FILE", "/tls/a.pem"),
+            ("LIMITER__SECURITY__GRPC__AUTH", "token"),
+            ("LIMITER__SECURITY__ADMIN__AUTH", "mtls"),
+            ("LIMITER__SECURITY__ADMIN__CLIENT_CA_FILE", "/tls/ca.pem"),
+            ("LIMITER__SECURITY__PEERS__CERT_FILE", "/tls/p.pem"),
+            ("LIMITER__SECURITY__GRPC__PEER_NAMES", "node-a"),
+        ])
+        .unwrap_err()
+        .to_string();
+        for needle in [
+            "security.grpc: cert_file and key_file go together",
+            "security.grpc.auth: `token` needs security.tokens_file",
+            "security.admin.client_ca_file: needs cert_file and key_file (TLS)",
+            "security.admin.auth: `mtls` needs TLS with a client_ca_file",
+            "security.peers: cert_file and key_file go together",
+            "security.grpc.peer_names: only used with `auth: mtls`",
+        ] {
+            assert!(text.contains(needle), "{needle} missing from {text}");
+        }
+
+        // Nodes of a cluster must be able to call each other through the listener.
+        let text = load(&[
+            ("LIMITER__CLUSTER__MEMBERSHIP", "static"),
+            ("LIMITER__CLUSTER__PEERS", "b=127.0.0.1:50052"),
+            ("LIMITER__SECURITY__GRPC__CERT_FILE", "/tls/a.pem"),
+            ("LIMITER__SECURITY__GRPC__KEY_FILE", "/tls/a.key"),
+            ("LIMITER__SECURITY__GRPC__CLIENT_CA_FILE", "/tls/ca.pem"),
+            ("LIMITER__SECURITY__GRPC__AUTH", "mtls"),
+        ])
+        .unwrap_err()
+        .to_string();
+        for needle in [
+            "security.peers.ca_file: peers serve TLS",
+            "security.peers.cert_file: peers ask for a client certificate",
+            "security.grpc.peer_names: name the certificates nodes present",
+        ] {
             assert!(text.contains(needle), "{needle} missing from {text}");
         }
     }

@@ -22,6 +22,7 @@ pub mod metrics;
 pub mod owner;
 pub mod reload;
 pub mod routing;
+pub mod security;
 pub mod service;
 pub mod store;
 
@@ -40,6 +41,7 @@ use crate::cluster::Cluster;
 use crate::config::{ServerConfig, StoreKind};
 use crate::owner::Owner;
 use crate::reload::{LoadError, PolicyHolder};
+use crate::security::Security;
 use crate::store::Store;
 use crate::store::redis::RedisStore;
 
@@ -60,6 +62,7 @@ const SLICE_RENEW_EVERY: std::time::Duration = std::time::Duration::from_millis(
 pub struct Server {
     config: ServerConfig,
     owner: Arc<Owner>,
+    security: Arc<Security>,
 }
 
 /// The two sockets a server serves on.
@@ -169,6 +172,7 @@ impl Server {
     ///
     /// As [`Server::new`].
     pub fn with_clock(config: ServerConfig, clock: Arc<dyn Clock>) -> Result<Self, LoadError> {
+        let security = Arc::new(Security::load(&config.security).map_err(LoadError::Security)?);
         let store = match &config.store {
             StoreKind::Memory => Store::memory(config.max_keys),
             StoreKind::Redis(settings) => Store::redis(
@@ -184,11 +188,16 @@ impl Server {
             Arc::new(PolicyHolder::load_checked(&config.policy_file, clock.clone(), check)?);
         let stateful = matches!(store, Store::Memory(_));
         let longest_ttl = longest_lease_ttl(&policies.current().policy);
-        let cluster =
-            Arc::new(Cluster::new(config.cluster.clone(), stateful, clock.clone(), longest_ttl));
+        let cluster = Arc::new(Cluster::new(
+            config.cluster.clone(),
+            security.peers.clone(),
+            stateful,
+            clock.clone(),
+            longest_ttl,
+        ));
         let owner =
             Arc::new(Owner::new(policies, store, clock, config.limits).with_cluster(cluster));
-        Ok(Self { config, owner })
+        Ok(Self { config, owner, security })
     }
 
     /// The decision logic (for embedding and tests).
@@ -207,9 +216,10 @@ impl Server {
         listeners: Listeners,
         shutdown: impl Future<Output = ()> + Send,
     ) -> Result<(), RunError> {
-        let Self { config, owner } = self;
+        let Self { config, owner, security } = self;
         let cancel = CancellationToken::new();
         let tasks = TaskTracker::new();
+        tasks.spawn(security.clone().watch(config.reload_poll, cancel.child_token()));
         tasks.spawn(reload::watch(
             owner.policies().clone(),
             config.reload_poll,
@@ -248,19 +258,25 @@ impl Server {
         ))
         .max_decoding_message_size(max_message);
         let grpc_stop = CancellationToken::new();
-        let grpc = tokio::spawn(
-            tonic::transport::Server::builder()
-                .add_service(health_service)
-                .add_service(native)
-                .add_service(envoy)
-                .serve_with_incoming_shutdown(
-                    // No Nagle: a decision is a small message that must leave at once.
-                    TcpIncoming::from(listeners.grpc)
-                        .with_nodelay(Some(true))
-                        .with_keepalive(Some(std::time::Duration::from_secs(60))),
-                    grpc_stop.clone().cancelled_owned(),
-                ),
-        );
+        let router = tonic::transport::Server::builder()
+            .max_concurrent_streams(config.limits.max_concurrent_streams)
+            .layer(security::guard::GuardLayer(security.grpc_guard.clone()))
+            .add_service(health_service)
+            .add_service(native)
+            .add_service(envoy);
+        // No Nagle: a decision is a small message that must leave at once.
+        let tcp = TcpIncoming::from(listeners.grpc)
+            .with_nodelay(Some(true))
+            .with_keepalive(Some(std::time::Duration::from_secs(60)));
+        let stopped = grpc_stop.clone().cancelled_owned();
+        let grpc = match &security.grpc_tls {
+            None => tokio::spawn(router.serve_with_incoming_shutdown(tcp, stopped)),
+            Some(tls) => {
+                let incoming =
+                    security::tls::grpc_incoming(security::tls::accept(tcp, tls.clone()));
+                tokio::spawn(router.serve_with_incoming_shutdown(incoming, stopped))
+            }
+        };
         let admin_stop = CancellationToken::new();
         let history = Arc::new(dashboard::History::default());
         tasks.spawn(dashboard::sample_loop(owner.clone(), history.clone(), cancel.child_token()));
@@ -278,11 +294,27 @@ impl Server {
                 }
             });
         }
-        let admin = tokio::spawn(
-            axum::serve(listeners.admin, admin::router(owner.clone(), history, members))
-                .with_graceful_shutdown(admin_stop.clone().cancelled_owned())
-                .into_future(),
-        );
+        let app = admin::router(owner.clone(), history, members)
+            .layer(security::guard::GuardLayer(security.admin_guard.clone()));
+        let admin_stopped = admin_stop.clone().cancelled_owned();
+        let admin = match &security.admin_tls {
+            None => tokio::spawn(
+                axum::serve(listeners.admin, app)
+                    .with_graceful_shutdown(admin_stopped)
+                    .into_future(),
+            ),
+            Some(tls) => {
+                let local = listeners.admin.local_addr()?;
+                let tcp = TcpIncoming::from(listeners.admin).with_nodelay(Some(true));
+                let listener = security::tls::AdminListener::new(
+                    security::tls::accept(tcp, tls.clone()),
+                    local,
+                );
+                tokio::spawn(
+                    axum::serve(listener, app).with_graceful_shutdown(admin_stopped).into_future(),
+                )
+            }
+        };
         owner.set_ready(true);
         tracing::info!(
             grpc = %config.listen,

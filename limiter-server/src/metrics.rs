@@ -1,7 +1,8 @@
 //! Metric names, their descriptions, and the Prometheus recorder.
 //!
 //! Labels are bounded enums only: `api`, `route` (a route the policy names, else
-//! `other`), `decision`, `reason`, `scope`, `result`, `kind`, `field`. Never a tenant or
+//! `other`), `decision`, `reason`, `scope`, `result`, `kind`, `field`, `listener`,
+//! `what`. Never a tenant or
 //! a key: those go to logs.
 
 use std::sync::OnceLock;
@@ -17,6 +18,14 @@ pub const DECISIONS: &str = "limiter_decisions_total";
 pub const DECISION_SECONDS: &str = "limiter_decision_duration_seconds";
 /// Calls refused as invalid, by `api` and `field`.
 pub const INVALID_REQUESTS: &str = "limiter_invalid_requests_total";
+/// Calls refused for their credentials, by `listener` (`grpc`, `admin`) and `reason`
+/// (`no_credentials`, `malformed`, `unknown_token`, `not_allowed`).
+pub const AUTH_REFUSALS: &str = "limiter_auth_refusals_total";
+/// TLS handshakes that failed, by `listener` and `kind` (`refused`, `timeout`).
+pub const TLS_HANDSHAKE_FAILURES: &str = "limiter_tls_handshake_failures_total";
+/// Certificate and token files read again after a change, by `what` (`grpc`,
+/// `admin`, `tokens`) and `result` (`ok`, `failed`).
+pub const SECURITY_RELOADS: &str = "limiter_security_reloads_total";
 /// Counters held in the memory store.
 pub const STORE_KEYS: &str = "limiter_store_keys";
 /// The most counters the memory store holds.
@@ -119,6 +128,15 @@ fn describe() {
     describe_counter!(DECISIONS, "Decisions by api, route, decision, reason and scope.");
     describe_histogram!(DECISION_SECONDS, Unit::Seconds, "Time to decide one request.");
     describe_counter!(INVALID_REQUESTS, "Calls refused as invalid, by api and field.");
+    describe_counter!(
+        AUTH_REFUSALS,
+        "Calls refused for their credentials, by listener and reason."
+    );
+    describe_counter!(TLS_HANDSHAKE_FAILURES, "TLS handshakes that failed, by listener and kind.");
+    describe_counter!(
+        SECURITY_RELOADS,
+        "Certificate and token files reloaded, by what and result."
+    );
     describe_gauge!(STORE_KEYS, "Counters held in the memory store.");
     describe_gauge!(STORE_MAX_KEYS, "The most counters the memory store holds.");
     describe_counter!(STORE_EVICTIONS, "Counters dropped: idle (lossless) or live (store full).");

@@ -85,6 +85,9 @@ pub enum LoadError {
     /// The store could not be set up.
     #[error("{0}")]
     Store(String),
+    /// A certificate, key or tokens file named by `security` is unusable.
+    #[error("{0}")]
+    Security(String),
 }
 
 /// A check the store makes of every policy before it takes effect.

@@ -9,6 +9,8 @@
 
 #![allow(missing_docs, clippy::all, clippy::pedantic)] // generated code
 
+pub mod connect;
+
 /// Our native API.
 pub mod limiter {
     /// Version 1.

@@ -144,10 +144,12 @@ fn nanos(d: Duration) -> Nanos {
 }
 
 impl Cluster {
-    /// This node in a cluster configured by `config`; `stateful` for the memory store;
+    /// This node in a cluster configured by `config`, calling its peers with
+    /// `security`; `stateful` for the memory store;
     /// `longest_ttl`: the longest lease TTL the policy can issue.
     pub fn new(
         config: ClusterConfig,
+        security: limiter_proto::connect::ClientSecurity,
         stateful: bool,
         clock: Arc<dyn Clock>,
         longest_ttl: Nanos,
@@ -166,7 +168,7 @@ impl Cluster {
         let ring = Ring::new(0, vec![me.clone()]);
         let single = config.membership == Membership::Single;
         Self {
-            peers: Peers::new(config.forward_timeout),
+            peers: Peers::new(config.forward_timeout, security),
             slices: slices::Slices::default(),
             gate: tokio::sync::RwLock::new(()),
             me,

@@ -5,13 +5,13 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 
+use limiter_proto::connect::{AuthChannel, ClientSecurity};
 use limiter_proto::envoy::service::ratelimit::v3 as rls;
 use limiter_proto::envoy::service::ratelimit::v3::rate_limit_service_client::RateLimitServiceClient;
 use limiter_proto::limiter::v1 as pb;
 use limiter_proto::limiter::v1::rate_limiter_client::RateLimiterClient;
 use parking_lot::Mutex;
 use tokio::sync::{mpsc, oneshot};
-use tonic::transport::Channel;
 use tonic::{Request, Status};
 
 /// Metadata naming a forwarded call's hop (`1`: forwarded once; `2`: redirected once
@@ -32,8 +32,8 @@ type Waiting = (pb::ShouldAllowRequest, oneshot::Sender<Result<pb::ShouldAllowRe
 /// One other node.
 #[derive(Debug, Clone)]
 pub struct Peer {
-    native: RateLimiterClient<Channel>,
-    envoy: RateLimitServiceClient<Channel>,
+    native: RateLimiterClient<AuthChannel>,
+    envoy: RateLimitServiceClient<AuthChannel>,
     queue: mpsc::Sender<Waiting>,
     timeout: Duration,
 }
@@ -73,12 +73,10 @@ pub fn moved_to(status: &Status) -> Option<String> {
 }
 
 impl Peer {
-    fn new(address: &str, timeout: Duration) -> Result<Self, String> {
-        let endpoint = tonic::transport::Endpoint::from_shared(format!("http://{address}"))
-            .map_err(|e| format!("peer address `{address}`: {e}"))?
-            .connect_timeout(timeout)
-            .tcp_nodelay(true);
-        let channel = endpoint.connect_lazy();
+    fn new(address: &str, timeout: Duration, security: &ClientSecurity) -> Result<Self, String> {
+        let channel = security
+            .connect_lazy(address, |e| e.connect_timeout(timeout).tcp_nodelay(true))
+            .map_err(|e| format!("peer address `{address}`: {e}"))?;
         let native = RateLimiterClient::new(channel.clone());
         let envoy = RateLimitServiceClient::new(channel);
         let (queue, rx) = mpsc::channel(4 * MAX_FORWARD_BATCH);
@@ -178,7 +176,7 @@ impl Peer {
 
 /// Sends what is queued for one peer as batches, several in flight.
 async fn batch_loop(
-    client: RateLimiterClient<Channel>,
+    client: RateLimiterClient<AuthChannel>,
     mut rx: mpsc::Receiver<Waiting>,
     timeout: Duration,
 ) {
@@ -224,12 +222,13 @@ async fn batch_loop(
 pub struct Peers {
     by_address: Mutex<HashMap<Arc<str>, Peer>>,
     timeout: Duration,
+    security: ClientSecurity,
 }
 
 impl Peers {
-    /// Clients whose calls time out after `timeout`.
-    pub fn new(timeout: Duration) -> Self {
-        Self { by_address: Mutex::default(), timeout }
+    /// Clients whose calls time out after `timeout`, made with `security`.
+    pub fn new(timeout: Duration, security: ClientSecurity) -> Self {
+        Self { by_address: Mutex::default(), timeout, security }
     }
 
     /// The client of the node at `address`.
@@ -242,7 +241,7 @@ impl Peers {
         if let Some(p) = map.get(address) {
             return Ok(p.clone());
         }
-        let p = Peer::new(address, self.timeout).map_err(Status::unavailable)?;
+        let p = Peer::new(address, self.timeout, &self.security).map_err(Status::unavailable)?;
         map.insert(address.into(), p.clone());
         Ok(p)
     }

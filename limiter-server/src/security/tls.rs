@@ -1,0 +1,278 @@
+//! TLS on a listener: certificates read from files, swapped in when the files change
+//! (new connections get the new certificate; open connections keep theirs and are
+//! not dropped), and handshakes done off the accept loop, bounded in number and time.
+
+use std::io;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use arc_swap::ArcSwap;
+use parking_lot::Mutex;
+use rustls::RootCertStore;
+use rustls::pki_types::pem::PemObject;
+use rustls::pki_types::{CertificateDer, PrivateKeyDer};
+use rustls::server::WebPkiClientVerifier;
+use tokio::net::TcpStream;
+use tokio::sync::{Semaphore, mpsc};
+use tokio_rustls::TlsAcceptor;
+use tokio_rustls::server::TlsStream;
+use tokio_stream::StreamExt;
+use tonic::transport::server::TcpIncoming;
+
+use crate::metrics as m;
+
+/// A handshake not finished in this long is dropped.
+const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+/// Handshakes in progress at once on one listener; more wait to be accepted.
+const MAX_HANDSHAKES: usize = 1024;
+
+/// The files of a listener's TLS.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TlsFiles {
+    /// The certificate chain (PEM), leaf first.
+    pub cert: PathBuf,
+    /// Its private key (PEM: PKCS#8, PKCS#1 or SEC1).
+    pub key: PathBuf,
+    /// CAs whose client certificates are accepted (PEM); none: clients are not asked.
+    pub client_ca: Option<PathBuf>,
+}
+
+/// Whether a client certificate is required to finish the handshake, or only checked
+/// when presented (the call is then judged by the listener's auth).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ClientCerts {
+    /// The handshake fails without a valid client certificate.
+    Required,
+    /// A presented certificate must be valid; none is fine.
+    Optional,
+}
+
+/// A listener's TLS: its files and the configuration made of them last.
+pub struct TlsState {
+    listener: &'static str,
+    files: TlsFiles,
+    client_certs: ClientCerts,
+    alpn: &'static [u8],
+    config: ArcSwap<rustls::ServerConfig>,
+    seen: Mutex<Vec<u8>>,
+}
+
+impl std::fmt::Debug for TlsState {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TlsState")
+            .field("listener", &self.listener)
+            .field("files", &self.files)
+            .finish()
+    }
+}
+
+fn read(field: &str, path: &Path) -> Result<Vec<u8>, String> {
+    std::fs::read(path).map_err(|e| format!("{field}: cannot read `{}`: {e}", path.display()))
+}
+
+impl TlsState {
+    /// Reads and checks the files.
+    ///
+    /// # Errors
+    ///
+    /// An unreadable file, or one that holds no usable certificate or key; the message
+    /// names the field (under `section`) and the file.
+    pub fn load(
+        listener: &'static str,
+        section: &str,
+        files: TlsFiles,
+        client_certs: ClientCerts,
+        alpn: &'static [u8],
+    ) -> Result<Self, String> {
+        let contents = Self::read_all(section, &files)?;
+        let config = build(section, &files, &contents, client_certs, alpn)?;
+        Ok(Self {
+            listener,
+            files,
+            client_certs,
+            alpn,
+            config: ArcSwap::from_pointee(config),
+            seen: Mutex::new(contents.concat()),
+        })
+    }
+
+    fn read_all(section: &str, files: &TlsFiles) -> Result<[Vec<u8>; 3], String> {
+        Ok([
+            read(&format!("{section}.cert_file"), &files.cert)?,
+            read(&format!("{section}.key_file"), &files.key)?,
+            match &files.client_ca {
+                Some(ca) => read(&format!("{section}.client_ca_file"), ca)?,
+                None => Vec::new(),
+            },
+        ])
+    }
+
+    /// Reads the files again and, if they changed and are valid, makes new handshakes
+    /// use them. `None`: unchanged.
+    ///
+    /// A bad new certificate keeps the old one in service.
+    pub fn reload(&self, section: &str) -> Option<Result<(), String>> {
+        let contents = match Self::read_all(section, &self.files) {
+            Ok(c) => c,
+            Err(e) => return Some(Err(e)),
+        };
+        let joined = contents.concat();
+        let mut seen = self.seen.lock();
+        if *seen == joined {
+            return None;
+        }
+        let result = build(section, &self.files, &contents, self.client_certs, self.alpn)
+            .map(|c| self.config.store(Arc::new(c)));
+        // A bad version is reported once, not on every poll.
+        *seen = joined;
+        Some(result)
+    }
+
+    /// The listener's label in metrics.
+    pub fn listener(&self) -> &'static str {
+        self.listener
+    }
+
+    fn acceptor(&self) -> TlsAcceptor {
+        TlsAcceptor::from(self.config.load_full())
+    }
+}
+
+fn build(
+    section: &str,
+    files: &TlsFiles,
+    [cert, key, ca]: &[Vec<u8>; 3],
+    client_certs: ClientCerts,
+    alpn: &[u8],
+) -> Result<rustls::ServerConfig, String> {
+    let bad = |field: &str, path: &Path, e: &dyn std::fmt::Display| {
+        format!("{section}.{field}: `{}`: {e}", path.display())
+    };
+    let chain: Vec<CertificateDer<'static>> = CertificateDer::pem_slice_iter(cert)
+        .collect::<Result<_, _>>()
+        .map_err(|e| bad("cert_file", &files.cert, &e))?;
+    if chain.is_empty() {
+        return Err(bad("cert_file", &files.cert, &"no PEM certificate in the file"));
+    }
+    let key = PrivateKeyDer::from_pem_slice(key).map_err(|e| bad("key_file", &files.key, &e))?;
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let builder = rustls::ServerConfig::builder_with_provider(provider.clone())
+        .with_safe_default_protocol_versions()
+        .map_err(|e| format!("{section}: {e}"))?;
+    let builder = match &files.client_ca {
+        Some(path) => {
+            let mut roots = RootCertStore::empty();
+            for c in CertificateDer::pem_slice_iter(ca) {
+                let c = c.map_err(|e| bad("client_ca_file", path, &e))?;
+                roots.add(c).map_err(|e| bad("client_ca_file", path, &e))?;
+            }
+            if roots.is_empty() {
+                return Err(bad("client_ca_file", path, &"no PEM certificate in the file"));
+            }
+            let verifier = WebPkiClientVerifier::builder_with_provider(Arc::new(roots), provider);
+            let verifier = match client_certs {
+                ClientCerts::Required => verifier,
+                ClientCerts::Optional => verifier.allow_unauthenticated(),
+            };
+            builder.with_client_cert_verifier(
+                verifier.build().map_err(|e| bad("client_ca_file", path, &e))?,
+            )
+        }
+        None => builder.with_no_client_auth(),
+    };
+    let mut config = builder.with_single_cert(chain, key).map_err(|e| match e {
+        rustls::Error::InvalidCertificate(_) => bad("cert_file", &files.cert, &e),
+        e => bad("key_file", &files.key, &format!("does not suit the certificate: {e}")),
+    })?;
+    config.alpn_protocols = vec![alpn.to_vec()];
+    Ok(config)
+}
+
+/// Accepts connections on `incoming` and hands over those whose TLS handshake
+/// succeeded, in the order they finish. The accept loop stops when the receiver is
+/// dropped.
+pub fn accept(
+    incoming: TcpIncoming,
+    tls: Arc<TlsState>,
+) -> mpsc::Receiver<(TlsStream<TcpStream>, SocketAddr)> {
+    let (tx, rx) = mpsc::channel(64);
+    tokio::spawn(async move {
+        let mut incoming = std::pin::pin!(incoming);
+        let slots = Arc::new(Semaphore::new(MAX_HANDSHAKES));
+        loop {
+            let Ok(slot) = slots.clone().acquire_owned().await else { return };
+            let tcp = tokio::select! {
+                () = tx.closed() => return,
+                next = incoming.next() => match next {
+                    Some(Ok(tcp)) => tcp,
+                    Some(Err(e)) => {
+                        tracing::warn!(listener = tls.listener, "accept failed: {e}");
+                        // Out of descriptors and the like: do not spin.
+                        tokio::time::sleep(Duration::from_millis(20)).await;
+                        continue;
+                    }
+                    None => return,
+                },
+            };
+            let (tx, tls) = (tx.clone(), tls.clone());
+            tokio::spawn(async move {
+                let peer = tcp.peer_addr().unwrap_or_else(|_| ([0, 0, 0, 0], 0).into());
+                let acceptor = tls.acceptor();
+                match tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(tcp)).await {
+                    Ok(Ok(stream)) => {
+                        drop(slot);
+                        let _ = tx.send((stream, peer)).await;
+                    }
+                    Ok(Err(e)) => {
+                        metrics::counter!(m::TLS_HANDSHAKE_FAILURES, "listener" => tls.listener, "kind" => "refused").increment(1);
+                        tracing::debug!(listener = tls.listener, %peer, "TLS handshake failed: {e}");
+                    }
+                    Err(_) => {
+                        metrics::counter!(m::TLS_HANDSHAKE_FAILURES, "listener" => tls.listener, "kind" => "timeout").increment(1);
+                        tracing::debug!(listener = tls.listener, %peer, "TLS handshake timed out");
+                    }
+                }
+            });
+        }
+    });
+    rx
+}
+
+/// The TLS connections of [`accept`] as a stream for tonic.
+pub fn grpc_incoming(
+    rx: mpsc::Receiver<(TlsStream<TcpStream>, SocketAddr)>,
+) -> impl tokio_stream::Stream<Item = io::Result<TlsStream<TcpStream>>> {
+    tokio_stream::wrappers::ReceiverStream::new(rx).map(|(s, _)| Ok(s))
+}
+
+/// The TLS connections of [`accept`] as a listener for axum.
+pub struct AdminListener {
+    rx: mpsc::Receiver<(TlsStream<TcpStream>, SocketAddr)>,
+    local: SocketAddr,
+}
+
+impl AdminListener {
+    /// Connections from `rx`, reported as accepted on `local`.
+    pub fn new(rx: mpsc::Receiver<(TlsStream<TcpStream>, SocketAddr)>, local: SocketAddr) -> Self {
+        Self { rx, local }
+    }
+}
+
+impl axum::serve::Listener for AdminListener {
+    type Io = TlsStream<TcpStream>;
+    type Addr = SocketAddr;
+
+    async fn accept(&mut self) -> (Self::Io, Self::Addr) {
+        match self.rx.recv().await {
+            Some(c) => c,
+            // The accept loop only stops when this receiver is dropped.
+            None => std::future::pending().await,
+        }
+    }
+
+    fn local_addr(&self) -> io::Result<Self::Addr> {
+        Ok(self.local)
+    }
+}

@@ -163,6 +163,11 @@ impl LimitKey {
         }
     }
 
+    /// The level.
+    pub fn scope(&self) -> Scope {
+        self.scope
+    }
+
     /// The borrowed view (same hash, same equality).
     pub fn as_ref(&self) -> LimitKeyRef<'_> {
         let b = self.bytes();

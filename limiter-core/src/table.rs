@@ -8,7 +8,13 @@
 //! ("idle") carry no information and are dropped first, losslessly; only when a
 //! shard is full of live entries are the least recently used eighth of them evicted
 //! (counted apart, since forgetting live usage can admit more than the limit).
+//!
+//! Optionally, the counters of the key scope are also capped per tenant
+//! ([`StateTable::with_keys_per_tenant`]): one tenant's flood of distinct keys then
+//! stops at its own cap ([`StateTable::admits`]) instead of evicting other tenants'
+//! counters.
 
+use std::collections::HashMap;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
@@ -18,6 +24,7 @@ use parking_lot::{Mutex, MutexGuard};
 
 use crate::algorithm::Algorithm;
 use crate::clock::Nanos;
+use crate::decision::Scope;
 use crate::key::{LimitKey, LimitKeyRef};
 use crate::limit::{Limit, LimitState};
 
@@ -58,6 +65,53 @@ pub struct TableStats {
     pub evicted_live: u64,
 }
 
+/// Key-scope counters by tenant, in one shard of [`TenantKeys`].
+type TenantCounts = Mutex<HashMap<Box<str>, u32, ahash::RandomState>>;
+
+/// How many key-scope counters each tenant holds, when they are capped.
+struct TenantKeys {
+    cap: u32,
+    shards: Box<[TenantCounts]>,
+    hasher: ahash::RandomState,
+}
+
+impl TenantKeys {
+    fn new(cap: u32) -> Self {
+        let hasher = ahash::RandomState::new();
+        let shards = (0..64).map(|_| Mutex::new(HashMap::with_hasher(hasher.clone()))).collect();
+        Self { cap, shards, hasher }
+    }
+
+    fn shard(&self, tenant: &str) -> &TenantCounts {
+        // 64 shards: the low six bits.
+        &self.shards[(self.hasher.hash_one(tenant) as usize) & 63]
+    }
+
+    fn count(&self, tenant: &str) -> u32 {
+        self.shard(tenant).lock().get(tenant).copied().unwrap_or(0)
+    }
+
+    fn add(&self, tenant: &str) {
+        let mut map = self.shard(tenant).lock();
+        match map.get_mut(tenant) {
+            Some(n) => *n += 1,
+            None => {
+                map.insert(tenant.into(), 1);
+            }
+        }
+    }
+
+    fn remove(&self, tenant: &str) {
+        let mut map = self.shard(tenant).lock();
+        if let Some(n) = map.get_mut(tenant) {
+            *n -= 1;
+            if *n == 0 {
+                map.remove(tenant);
+            }
+        }
+    }
+}
+
 /// Sharded map from [`LimitKey`] to state.
 pub struct StateTable {
     shards: Box<[Shard]>,
@@ -66,6 +120,17 @@ pub struct StateTable {
     keys: AtomicU64,
     evicted_idle: AtomicU64,
     evicted_live: AtomicU64,
+    tenant_keys: Option<TenantKeys>,
+}
+
+/// A tenant already holds as many key-scope counters as the table allows it.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("tenant `{tenant}` already holds {cap} distinct keys, the most it may")]
+pub struct KeysPerTenantExceeded {
+    /// The tenant.
+    pub tenant: String,
+    /// Its cap.
+    pub cap: u32,
 }
 
 impl std::fmt::Debug for StateTable {
@@ -90,6 +155,55 @@ impl StateTable {
             keys: AtomicU64::new(0),
             evicted_idle: AtomicU64::new(0),
             evicted_live: AtomicU64::new(0),
+            tenant_keys: None,
+        }
+    }
+
+    /// Caps the key-scope counters of each tenant at `cap` (see [`Self::admits`]).
+    #[must_use]
+    pub fn with_keys_per_tenant(mut self, cap: u32) -> Self {
+        self.tenant_keys = Some(TenantKeys::new(cap.max(1)));
+        self
+    }
+
+    /// Whether a decision on `keys` may go ahead: each key-scope counter it needs
+    /// exists already, or its tenant is below its cap. Checked before deciding; two
+    /// new keys of one tenant checked at once may both pass (the cap holds within the
+    /// number of concurrent decisions).
+    ///
+    /// # Errors
+    ///
+    /// The first new key whose tenant is at its cap.
+    pub fn admits(&self, keys: &[LimitKeyRef<'_>]) -> Result<(), KeysPerTenantExceeded> {
+        let Some(t) = &self.tenant_keys else { return Ok(()) };
+        for k in keys.iter().filter(|k| k.scope == Scope::Key) {
+            if t.count(k.tenant) < t.cap {
+                continue;
+            }
+            let hash = k.hash_with(&self.hasher);
+            let exists = self.shards[self.shard_of(hash)]
+                .0
+                .lock()
+                .find(hash, |s| k.matches(&s.key))
+                .is_some();
+            if !exists {
+                return Err(KeysPerTenantExceeded { tenant: k.tenant.to_owned(), cap: t.cap });
+            }
+        }
+        Ok(())
+    }
+
+    /// How many key-scope counters `tenant` holds (0 when they are not capped).
+    pub fn keys_of(&self, tenant: &str) -> u32 {
+        self.tenant_keys.as_ref().map_or(0, |t| t.count(tenant))
+    }
+
+    /// Bookkeeping of a slot leaving the table.
+    fn forget(&self, s: &Slot) {
+        if let Some(t) = &self.tenant_keys
+            && s.key.scope() == Scope::Key
+        {
+            t.remove(s.key.as_ref().tenant);
         }
     }
 
@@ -174,6 +288,7 @@ impl StateTable {
             let before = map.len();
             map.retain(|s| {
                 if take(&s.key) {
+                    self.forget(s);
                     out.push(s.clone());
                     false
                 } else {
@@ -203,13 +318,24 @@ impl StateTable {
             n += map.len();
             map.clear();
         }
+        if let Some(t) = &self.tenant_keys {
+            for shard in &t.shards {
+                shard.lock().clear();
+            }
+        }
         self.keys.fetch_sub(n as u64, Ordering::Relaxed);
         n
     }
 
     fn drop_idle(&self, map: &mut HashTable<Slot>, now: Nanos) -> usize {
         let before = map.len();
-        map.retain(|s| !s.limit.is_idle(&s.state, now));
+        map.retain(|s| {
+            let idle = s.limit.is_idle(&s.state, now);
+            if idle {
+                self.forget(s);
+            }
+            !idle
+        });
         let dropped = before - map.len();
         self.keys.fetch_sub(dropped as u64, Ordering::Relaxed);
         self.evicted_idle.fetch_add(dropped as u64, Ordering::Relaxed);
@@ -230,6 +356,7 @@ impl StateTable {
         map.retain(|s| {
             if budget > 0 && s.last_seen <= threshold {
                 budget -= 1;
+                self.forget(s);
                 false
             } else {
                 true
@@ -308,6 +435,11 @@ impl Locked<'_, '_> {
                     state: LimitState::Fresh,
                 };
                 table.keys.fetch_add(1, Ordering::Relaxed);
+                if let Some(t) = &table.tenant_keys
+                    && key.scope == Scope::Key
+                {
+                    t.add(key.tenant);
+                }
                 let map = v.into_table();
                 if map.len() >= table.max_per_shard {
                     table.make_room(map, now);
@@ -357,6 +489,58 @@ mod tests {
         let dropped = t.sweep_idle(5_000);
         assert_eq!(dropped as u64, s.keys);
         assert_eq!(t.stats().keys, 0);
+    }
+
+    #[test]
+    fn each_tenant_keeps_to_its_key_cap_and_counts_follow_evictions() {
+        let t = StateTable::new(10_000, 4).with_keys_per_tenant(3);
+        let limit = Arc::new(fw(10));
+        let use_key = |tenant: &str, key: &str, now: u64| {
+            let keys = [LimitKeyRef::new(Scope::Key, tenant, "/r", key)];
+            t.admits(&keys)?;
+            let mut l = t.lock(&keys);
+            let slot = l.slot_mut(0, &limit, now);
+            limit.charge(&mut slot.state, now, 1);
+            Ok::<_, KeysPerTenantExceeded>(())
+        };
+        for k in ["a", "b", "c"] {
+            use_key("flood", k, 0).unwrap();
+        }
+        let e = use_key("flood", "d", 0).unwrap_err();
+        assert_eq!(e, KeysPerTenantExceeded { tenant: "flood".into(), cap: 3 });
+        assert!(e.to_string().contains("`flood` already holds 3 distinct keys"), "{e}");
+        // Known keys go on; other tenants and other scopes are not touched.
+        use_key("flood", "a", 1).unwrap();
+        use_key("quiet", "a", 1).unwrap();
+        let tenant_level = [LimitKeyRef::new(Scope::Tenant, "flood", "", "")];
+        assert!(t.admits(&tenant_level).is_ok());
+        assert_eq!((t.keys_of("flood"), t.keys_of("quiet")), (3, 1));
+        // Idle counters leave and make room.
+        t.sweep_idle(5_000);
+        assert_eq!((t.keys_of("flood"), t.keys_of("quiet")), (0, 0));
+        use_key("flood", "d", 5_000).unwrap();
+        // A handoff takes counters away; a clear forgets all.
+        let taken = t.take_where(|k| k.as_ref().tenant == "flood");
+        assert_eq!((taken.len(), t.keys_of("flood")), (1, 0));
+        use_key("flood", "e", 5_000).unwrap();
+        t.clear();
+        assert_eq!(t.keys_of("flood"), 0);
+    }
+
+    #[test]
+    fn live_evictions_give_back_a_tenants_key_count() {
+        let t = StateTable::new(64, 1).with_keys_per_tenant(1_000);
+        let limit = Arc::new(fw(10));
+        for n in 0..500u64 {
+            let name = format!("k{n}");
+            let keys = [LimitKeyRef::new(Scope::Key, "t", "/r", &name)];
+            t.admits(&keys).unwrap();
+            let mut l = t.lock(&keys);
+            let slot = l.slot_mut(0, &limit, n);
+            limit.charge(&mut slot.state, n, 1);
+        }
+        assert!(t.stats().evicted_live > 0);
+        assert_eq!(u64::from(t.keys_of("t")), t.stats().keys);
     }
 
     #[test]

@@ -91,6 +91,8 @@ struct RawLimits {
     max_message_bytes: i64,
     max_open_tickets: i64,
     max_concurrent_streams: i64,
+    max_keys_per_tenant: i64,
+    max_log_entries: i64,
 }
 
 #[derive(Debug, Deserialize)]
@@ -144,6 +146,8 @@ limits:
   max_message_bytes: 65536
   max_open_tickets: 100000
   max_concurrent_streams: 256
+  max_keys_per_tenant: 100000
+  max_log_entries: 100000
 envoy:
   tenant_from: domain
   tenant_key: tenant
@@ -212,6 +216,12 @@ pub struct Limits {
     pub max_open_tickets: usize,
     /// Calls in progress at once on one HTTP/2 connection (more wait in the client).
     pub max_concurrent_streams: u32,
+    /// Key-scope counters one tenant may hold in the memory store; a request for a
+    /// new key beyond it is refused `RESOURCE_EXHAUSTED`.
+    pub max_keys_per_tenant: u32,
+    /// The largest `limit` of a sliding log a policy may set: its entries per key
+    /// (16 bytes each).
+    pub max_log_entries: u64,
 }
 
 /// The validated configuration.
@@ -627,6 +637,20 @@ impl TryFrom<Raw> for ServerConfig {
                 1 << 20,
             ))
             .unwrap_or(1),
+            max_keys_per_tenant: u32::try_from(positive(
+                &mut errors,
+                "limits.max_keys_per_tenant",
+                l.max_keys_per_tenant,
+                i64::from(u32::MAX),
+            ))
+            .unwrap_or(1),
+            max_log_entries: positive(
+                &mut errors,
+                "limits.max_log_entries",
+                l.max_log_entries,
+                i64::try_from(limiter_core::policy::load::SLIDING_LOG_MAX_LIMIT)
+                    .unwrap_or(i64::MAX),
+            ) as u64,
         };
         let tenant_from = match raw.envoy.tenant_from.as_str() {
             "domain" => TenantFrom::Domain,

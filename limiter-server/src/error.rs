@@ -28,7 +28,7 @@ pub enum ServerError {
     },
     /// A bounded resource is exhausted for now.
     #[error("{0}")]
-    Exhausted(&'static str),
+    Exhausted(String),
     /// The limiter cannot decide (store down, draining).
     #[error("limiter unavailable: {0}")]
     Unavailable(String),
@@ -75,13 +75,18 @@ impl From<ServerError> for tonic::Status {
 
 /// The status of element `i` of a call's `list` (`requests`, `descriptors`,
 /// `items`) that failed, counted as refused for `api`: `UNAVAILABLE` stays what it
-/// is, anything else is `INVALID_ARGUMENT` naming the element.
+/// is, an exhausted bound is `RESOURCE_EXHAUSTED`, anything else is `INVALID_ARGUMENT`
+/// naming the element.
 pub fn element_status(
     api: crate::metrics::Api,
     list: &str,
     i: usize,
     e: ServerError,
 ) -> tonic::Status {
+    if let ServerError::Exhausted(why) = e {
+        // Counted where the bound is kept.
+        return tonic::Status::resource_exhausted(format!("{list}[{i}]: {why}"));
+    }
     crate::owner::Owner::count_invalid(api, &e);
     match e {
         ServerError::Unavailable(_) => e.into(),

@@ -210,6 +210,19 @@ impl Owner {
                 grants.push(grant);
                 continue;
             }
+            // A new key beyond its tenant's cap: nothing granted, the waiting request
+            // refused (the agent's other items go on).
+            if self.store().admits(&chain).is_err() {
+                let refused = limiter_core::Decision::Rejected {
+                    reason: limiter_core::Reason::KeyLimit,
+                    scope: limiter_core::Scope::Key,
+                    limit: None,
+                    retry_after: NANOS_PER_SEC,
+                };
+                grant.decision = Some(self.response(refused, now));
+                grants.push(grant);
+                continue;
+            }
             // The counters must be here: not fenced after their owner's loss (nothing
             // new is granted then), not moving away. Held until the grant is made.
             let name = crate::cluster::lease_name(item);
@@ -382,14 +395,14 @@ impl Owner {
                 Ok(got) => return Ok(got),
                 Err(crate::cluster::slices::Take::Short(key)) => {
                     let Some(owner) = remote.owner(&key) else {
-                        return Err(ServerError::Exhausted("slice"));
+                        return Err(ServerError::Exhausted("slice".into()));
                     };
                     cluster.refill(&key, owner, tenant, need, want).await?;
                 }
-                Err(_) => return Err(ServerError::Exhausted("slice")),
+                Err(_) => return Err(ServerError::Exhausted("slice".into())),
             }
         }
-        Err(ServerError::Exhausted("slice"))
+        Err(ServerError::Exhausted("slice".into()))
     }
 
     /// A refusal by `chain`'s levels as they stand (a dry run), for grants that found
@@ -431,6 +444,11 @@ impl Owner {
                 }
             }
         };
+        self.response(decision, now)
+    }
+
+    /// The answer carrying `decision`, decided here at `now`, charging nothing.
+    fn response(&self, decision: limiter_core::Decision, now: Nanos) -> pb::ShouldAllowResponse {
         let outcome = crate::owner::Outcome {
             verdict: limiter_core::Verdict { decision, shadow: false },
             charged: 0,

@@ -172,17 +172,22 @@ impl Server {
     ///
     /// As [`Server::new`].
     pub fn with_clock(config: ServerConfig, clock: Arc<dyn Clock>) -> Result<Self, LoadError> {
+        // The recorder first: loading the policy already publishes its version.
+        metrics::handle();
         let security = Arc::new(Security::load(&config.security).map_err(LoadError::Security)?);
         let store = match &config.store {
-            StoreKind::Memory => Store::memory(config.max_keys),
+            StoreKind::Memory => Store::memory(config.max_keys, config.limits.max_keys_per_tenant),
             StoreKind::Redis(settings) => Store::redis(
                 RedisStore::new(settings.clone(), clock.clone()).map_err(LoadError::Store)?,
                 clock.clone(),
             ),
         };
+        let max_log = config.limits.max_log_entries;
         let check: reload::Check = match &store {
-            Store::Memory(_) => Arc::new(|_| Ok(())),
-            Store::Redis(_) => Arc::new(store::redis::check_policy),
+            Store::Memory(_) => Arc::new(move |p| store::check_log_sizes(p, max_log)),
+            Store::Redis(_) => Arc::new(move |p| {
+                store::check_log_sizes(p, max_log).and(store::redis::check_policy(p))
+            }),
         };
         let policies =
             Arc::new(PolicyHolder::load_checked(&config.policy_file, clock.clone(), check)?);

@@ -2,7 +2,7 @@
 //!
 //! Labels are bounded enums only: `api`, `route` (a route the policy names, else
 //! `other`), `decision`, `reason`, `scope`, `result`, `kind`, `field`, `listener`,
-//! `what`. Never a tenant or
+//! `what`, `limit`. Never a tenant or
 //! a key: those go to logs.
 
 use std::sync::OnceLock;
@@ -26,6 +26,9 @@ pub const TLS_HANDSHAKE_FAILURES: &str = "limiter_tls_handshake_failures_total";
 /// Certificate and token files read again after a change, by `what` (`grpc`,
 /// `admin`, `tokens`) and `result` (`ok`, `failed`).
 pub const SECURITY_RELOADS: &str = "limiter_security_reloads_total";
+/// Requests refused for exceeding a bound on what callers may make the server hold,
+/// by `limit` (`keys_per_tenant`).
+pub const LIMIT_REFUSALS: &str = "limiter_limit_refusals_total";
 /// Counters held in the memory store.
 pub const STORE_KEYS: &str = "limiter_store_keys";
 /// The most counters the memory store holds.
@@ -137,6 +140,7 @@ fn describe() {
         SECURITY_RELOADS,
         "Certificate and token files reloaded, by what and result."
     );
+    describe_counter!(LIMIT_REFUSALS, "Requests refused by a bound on held state, by limit.");
     describe_gauge!(STORE_KEYS, "Counters held in the memory store.");
     describe_gauge!(STORE_MAX_KEYS, "The most counters the memory store holds.");
     describe_counter!(STORE_EVICTIONS, "Counters dropped: idle (lossless) or live (store full).");

@@ -365,6 +365,9 @@ impl Owner {
         let mut chains: Vec<Chain<'_>> = Vec::with_capacity(requests.len());
         for (i, r) in requests.iter().enumerate() {
             let chain = active.policy.resolve(r, &self.limits.names).map_err(|e| (i, e.into()))?;
+            if !unreachable {
+                self.store.admits(&chain).map_err(|e| (i, e))?;
+            }
             chains.push(chain);
         }
         let mut outcomes = Vec::with_capacity(requests.len());

@@ -70,3 +70,127 @@ async fn oversized_messages_are_refused() {
     assert!(c.should_allow(ask("acme", "/r")).await.unwrap().into_inner().allowed);
     s.stop().await;
 }
+
+const KEYED: &str = r"
+version: 1
+tenants:
+  default:
+    per_key: { algorithm: token_bucket, rate: 100/s, burst: 100 }
+";
+
+#[tokio::test]
+async fn a_tenant_cannot_hold_more_keys_than_its_cap_and_others_go_on() {
+    let s = TestServer::start_with(KEYED, &[("LIMITER__LIMITS__MAX_KEYS_PER_TENANT", "5")]).await;
+    let mut c = s.native().await;
+    for k in 0..5 {
+        let r = c.should_allow(ask_key("flood", "/r", &format!("k{k}"))).await.unwrap();
+        assert!(r.into_inner().allowed);
+    }
+    let e = c.should_allow(ask_key("flood", "/r", "k5")).await.unwrap_err();
+    assert_eq!(e.code(), Code::ResourceExhausted, "{e:?}");
+    assert!(
+        e.message().contains("`flood` already holds 5 distinct keys")
+            && e.message().contains("limits.max_keys_per_tenant"),
+        "{}",
+        e.message()
+    );
+    // Its known keys, its tenant-wide levels and other tenants are served.
+    assert!(c.should_allow(ask_key("flood", "/r", "k0")).await.unwrap().into_inner().allowed);
+    assert!(c.should_allow(ask("flood", "/r")).await.unwrap().into_inner().allowed);
+    assert!(c.should_allow(ask_key("quiet", "/r", "k5")).await.unwrap().into_inner().allowed);
+
+    // Envoy: the same refusal.
+    let mut envoy = s.envoy().await;
+    let descriptor =
+        |user: &str| limiter_proto::envoy::extensions::common::ratelimit::v3::RateLimitDescriptor {
+            entries: vec![
+            limiter_proto::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::Entry {
+                key: "route".into(),
+                value: "/r".into(),
+            },
+            limiter_proto::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::Entry {
+                key: "user".into(),
+                value: user.into(),
+            },
+        ],
+            ..Default::default()
+        };
+    let req = |user: &str| limiter_proto::envoy::service::ratelimit::v3::RateLimitRequest {
+        domain: "flood".into(),
+        descriptors: vec![descriptor(user)],
+        hits_addend: 1,
+    };
+    // `user=u0`..: new keys of a tenant already at its cap.
+    let e = envoy.should_rate_limit(req("u0")).await.unwrap_err();
+    assert_eq!(e.code(), Code::ResourceExhausted, "{e:?}");
+
+    // Leases: the new key's item is refused, the other items of the call are served.
+    let item = |tenant: &str, key: &str| pb::LeaseItem {
+        tenant: tenant.into(),
+        route: "/r".into(),
+        key: key.into(),
+        want: 10,
+        cost: 1,
+        ..Default::default()
+    };
+    let grants = c
+        .lease(pb::LeaseRequest {
+            agent_id: "gw-1".into(),
+            items: vec![item("flood", "k9"), item("flood", "k1"), item("calm", "k9")],
+            epoch: 0,
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .grants;
+    assert_eq!(grants[0].units, 0);
+    let refused = grants[0].decision.as_ref().unwrap();
+    assert!(!refused.allowed);
+    assert_eq!(refused.reason, pb::Reason::KeyLimit as i32);
+    assert!(grants[1].units >= 1 && grants[2].units >= 1, "{grants:?}");
+
+    let (_, body) = s.get("/metrics").await;
+    let line = body
+        .lines()
+        .find(|l| l.starts_with(r#"limiter_limit_refusals_total{limit="keys_per_tenant"}"#))
+        .unwrap_or_default();
+    let n: f64 = line.rsplit(' ').next().and_then(|v| v.parse().ok()).unwrap_or(0.0);
+    assert!(n >= 3.0, "{line}");
+    s.stop().await;
+}
+
+#[tokio::test]
+async fn sliding_logs_larger_than_the_entry_cap_are_refused() {
+    let policy = |limit: u64| {
+        format!(
+            "version: 1\ntenants:\n  default:\n    per_key: {{ algorithm: sliding_log, limit: {limit}, window: 1m }}\n"
+        )
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("policies.yaml");
+    std::fs::write(&path, policy(5_000)).unwrap();
+    let config = limiter_server::config::ServerConfig::load_with_env(
+        None,
+        [
+            ("LIMITER__POLICY_FILE".to_owned(), path.display().to_string()),
+            ("LIMITER__LIMITS__MAX_LOG_ENTRIES".to_owned(), "1000".to_owned()),
+        ],
+    )
+    .unwrap();
+    let e = limiter_server::Server::new(config).unwrap_err().to_string();
+    assert!(
+        e.contains("tenants.default.per_key: a sliding log of limit 5000")
+            && e.contains("limits.max_log_entries (1000)"),
+        "{e}"
+    );
+    // A reload to such a policy is refused too; the one in force stays.
+    let s = TestServer::start_with(&policy(1_000), &[("LIMITER__LIMITS__MAX_LOG_ENTRIES", "1000")])
+        .await;
+    std::fs::write(&s.policy, policy(1_001)).unwrap();
+    tokio::time::sleep(std::time::Duration::from_millis(1200)).await;
+    let (_, body) = s.get("/policy").await;
+    assert!(body.contains(r#""version":1"#), "still the first policy: {body}");
+    let (_, body) = s.get("/metrics").await;
+    assert!(body.contains(r#"limiter_policy_reloads_total{result="failed"}"#), "{body}");
+    s.stop().await;
+}

@@ -317,3 +317,71 @@ async fn unusable_security_files_stop_the_start_with_the_field_named() {
     ]);
     assert!(e.contains("security.grpc.key_file") && e.contains("does not suit"), "{e}");
 }
+
+/// A GET over TLS on `addr`, presenting `identity` if given: the status, or `None`
+/// when the connection is refused.
+async fn admin_get_tls(
+    addr: SocketAddr,
+    ca: &Ca,
+    identity: Option<&Leaf>,
+    path: &str,
+) -> Option<u16> {
+    use rustls::pki_types::pem::PemObject;
+    use rustls::pki_types::{CertificateDer, PrivateKeyDer, ServerName};
+    let provider = std::sync::Arc::new(rustls::crypto::ring::default_provider());
+    let mut roots = rustls::RootCertStore::empty();
+    roots.add(CertificateDer::from_pem_slice(&ca.pem()).unwrap()).unwrap();
+    let builder = rustls::ClientConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .unwrap()
+        .with_root_certificates(roots);
+    let config = match identity {
+        Some(l) => builder
+            .with_client_auth_cert(
+                CertificateDer::pem_slice_iter(&l.cert_pem()).collect::<Result<_, _>>().unwrap(),
+                PrivateKeyDer::from_pem_slice(&l.key_pem()).unwrap(),
+            )
+            .unwrap(),
+        None => builder.with_no_client_auth(),
+    };
+    let connector = tokio_rustls::TlsConnector::from(std::sync::Arc::new(config));
+    let tcp = tokio::net::TcpStream::connect(addr).await.ok()?;
+    let name = ServerName::try_from("localhost").unwrap();
+    let mut s = connector.connect(name, tcp).await.ok()?;
+    let req = format!("GET {path} HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n");
+    s.write_all(req.as_bytes()).await.ok()?;
+    let mut buf = Vec::new();
+    s.read_to_end(&mut buf).await.ok()?;
+    String::from_utf8_lossy(&buf).split(' ').nth(1)?.parse().ok()
+}
+
+#[tokio::test]
+async fn the_admin_port_serves_tls_to_holders_of_a_client_certificate() {
+    let p = pki();
+    let ops = p.ca.issue("ops", &["ops.example"]);
+    let stranger = p.other_ca.issue("stranger", &["ops.example"]);
+    let (cert, key, ca) = (
+        p.server.cert.display().to_string(),
+        p.server.key.display().to_string(),
+        p.ca.cert.display().to_string(),
+    );
+    let s = TestServer::start_with(
+        POLICY,
+        &[
+            ("LIMITER__SECURITY__ADMIN__CERT_FILE", &cert),
+            ("LIMITER__SECURITY__ADMIN__KEY_FILE", &key),
+            ("LIMITER__SECURITY__ADMIN__CLIENT_CA_FILE", &ca),
+            ("LIMITER__SECURITY__ADMIN__AUTH", "mtls"),
+        ],
+    )
+    .await;
+    assert_eq!(admin_get_tls(s.admin, &p.ca, Some(&ops), "/metrics").await, Some(200));
+    assert_eq!(admin_get_tls(s.admin, &p.ca, None, "/metrics").await, None);
+    assert_eq!(admin_get_tls(s.admin, &p.ca, Some(&stranger), "/metrics").await, None);
+    // Plain HTTP gets no answer.
+    assert_eq!(admin_get(s.admin, "/metrics", None).await.0, 0);
+    // The gRPC port is untouched: plaintext, open.
+    let mut c = client(&ClientSecurity::plaintext(), s.grpc);
+    assert!(allow(&mut c).await.unwrap());
+    s.stop().await;
+}

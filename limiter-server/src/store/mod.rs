@@ -9,13 +9,59 @@ pub mod redis;
 use std::sync::Arc;
 
 use limiter_core::clock::{Clock, Nanos};
-use limiter_core::policy::{Chain, Policy, Request};
+use limiter_core::policy::{Chain, LimitRule, Policy, Request};
 use limiter_core::table::{StateTable, TableStats};
 use limiter_core::{Grant, Limiter, Verdict};
 
 use self::batches::Batches;
 use self::redis::RedisStore;
 use crate::error::ServerError;
+
+/// Every limit rule of `policy`, with where it is written (`tenants.acme.per_key`).
+pub fn policy_rules(policy: &Policy) -> Vec<(String, &LimitRule)> {
+    let mut rules: Vec<(String, &LimitRule)> = Vec::new();
+    if let Some(g) = &policy.global {
+        rules.push(("global.ceiling".to_owned(), g));
+    }
+    for (name, r) in &policy.routes {
+        if let Some(l) = &r.limit {
+            rules.push((format!("routes.{name}.limit"), l));
+        }
+    }
+    let tenants = policy.tenants.iter().map(|(n, t)| (n.as_ref(), t));
+    for (name, t) in tenants.chain(policy.default_tenant.as_ref().map(|t| ("default", t))) {
+        if let Some(l) = &t.limit {
+            rules.push((format!("tenants.{name}.limit"), l));
+        }
+        for (route, r) in &t.routes {
+            rules.push((format!("tenants.{name}.routes.{route}"), &r.rule));
+        }
+        if let Some(l) = &t.per_key {
+            rules.push((format!("tenants.{name}.per_key"), l));
+        }
+    }
+    rules
+}
+
+/// Refuses a policy whose sliding logs could hold more than `max` entries per key
+/// (`limits.max_log_entries`).
+///
+/// # Errors
+///
+/// Every such rule, by where it is written.
+pub fn check_log_sizes(policy: &Policy, max: u64) -> Result<(), String> {
+    let errors: Vec<String> = policy_rules(policy)
+        .into_iter()
+        .filter_map(|(at, rule)| match &*rule.limit {
+            limiter_core::Limit::SlidingLog(l) if l.limit().get() > max => Some(format!(
+                "{at}: a sliding log of limit {} holds up to that many entries per key, above limits.max_log_entries ({max})",
+                l.limit()
+            )),
+            _ => None,
+        })
+        .collect();
+    if errors.is_empty() { Ok(()) } else { Err(errors.join("\n")) }
+}
 
 /// When and for how long a decision's units were charged: what a refund of them must
 /// name (a decision: its instant and no hold; units taken from a batch: the batch's).
@@ -58,8 +104,28 @@ impl RedisBacked {
 
 impl Store {
     /// A memory store holding at most about `max_keys` counters.
-    pub fn memory(max_keys: usize) -> Self {
-        Self::Memory(Limiter::with_table(StateTable::with_capacity(max_keys)))
+    pub fn memory(max_keys: usize, keys_per_tenant: u32) -> Self {
+        let table = StateTable::with_capacity(max_keys).with_keys_per_tenant(keys_per_tenant);
+        Self::Memory(Limiter::with_table(table))
+    }
+
+    /// Whether `chain` may be decided: its new key-scope counters are within their
+    /// tenant's cap (memory store; Redis bounds its memory itself). A refusal is
+    /// counted.
+    ///
+    /// # Errors
+    ///
+    /// `RESOURCE_EXHAUSTED`, naming the tenant and the setting.
+    pub fn admits(&self, chain: &Chain<'_>) -> Result<(), ServerError> {
+        let Self::Memory(l) = self else { return Ok(()) };
+        l.table().admits(chain.keys()).map_err(|e| {
+            metrics::counter!(crate::metrics::LIMIT_REFUSALS, "limit" => "keys_per_tenant")
+                .increment(1);
+            tracing::debug!(tenant = %e.tenant, cap = e.cap, "new key refused");
+            ServerError::Exhausted(format!(
+                "{e} (limits.max_keys_per_tenant); new keys are refused until some go idle"
+            ))
+        })
     }
 
     /// A Redis store.

@@ -26,7 +26,7 @@ use limiter_core::clock::Nanos;
 use limiter_core::decision::{Binding, Decision};
 use limiter_core::failure::Breaker;
 use limiter_core::key::LimitKeyRef;
-use limiter_core::policy::{Chain, Level, LimitRule, Policy};
+use limiter_core::policy::{Chain, Level, Policy};
 use limiter_core::{Grant, Limit, Scope, Verdict};
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use redis::cluster_async::ClusterConnection;
@@ -172,27 +172,7 @@ fn gcd(mut a: u64, mut b: u64) -> u64 {
 ///
 /// One line per limit out of range.
 pub fn check_policy(policy: &Policy) -> Result<(), String> {
-    let mut rules: Vec<(String, &LimitRule)> = Vec::new();
-    if let Some(g) = &policy.global {
-        rules.push(("global.ceiling".to_owned(), g));
-    }
-    for (name, r) in &policy.routes {
-        if let Some(l) = &r.limit {
-            rules.push((format!("routes.{name}.limit"), l));
-        }
-    }
-    let tenants = policy.tenants.iter().map(|(n, t)| (n.as_ref(), t));
-    for (name, t) in tenants.chain(policy.default_tenant.as_ref().map(|t| ("default", t))) {
-        if let Some(l) = &t.limit {
-            rules.push((format!("tenants.{name}.limit"), l));
-        }
-        for (route, r) in &t.routes {
-            rules.push((format!("tenants.{name}.routes.{route}"), &r.rule));
-        }
-        if let Some(l) = &t.per_key {
-            rules.push((format!("tenants.{name}.per_key"), l));
-        }
-    }
+    let rules = super::policy_rules(policy);
     let errors: Vec<String> = rules
         .into_iter()
         .filter_map(|(at, rule)| params(&rule.limit).err().map(|e| format!("{at}: {e}")))

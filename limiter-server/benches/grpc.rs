@@ -4,7 +4,11 @@
 //! Each iteration batch runs `iters` calls from 64 concurrent tasks over one HTTP/2
 //! connection; the figure is wall time per call, so throughput = 1 / time.
 //!
-//! Run: `cargo bench -p limiter-server --bench grpc`
+//! The same `ShouldAllow` is also measured against a second server that serves TLS and
+//! asks for a bearer token (`security.grpc.auth: token`), for the cost of both.
+//!
+//! Run: `cargo bench -p limiter-server --bench grpc` (needs the `openssl` command for
+//! the test certificates).
 
 #![allow(missing_docs)]
 
@@ -12,11 +16,14 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
+use limiter_proto::connect::{AuthChannel, ClientSecurity};
 use limiter_proto::limiter::v1 as pb;
 use limiter_proto::limiter::v1::rate_limiter_client::RateLimiterClient;
 use limiter_server::Server;
 use limiter_server::config::ServerConfig;
-use tonic::transport::Channel;
+
+#[path = "../tests/common/pki.rs"]
+mod pki;
 
 const CONCURRENCY: u64 = 64;
 const KEYS: u64 = 1_000;
@@ -36,13 +43,61 @@ tenants:
     per_key: { algorithm: token_bucket, rate: 1000000/s, burst: 1000000 }
 ";
 
-async fn start(dir: &std::path::Path) -> (limiter_server::Running, RateLimiterClient<Channel>) {
+type Client = RateLimiterClient<AuthChannel>;
+
+/// A server on `POLICY` with `env` settings, and a client made with `security`.
+async fn start(
+    dir: &std::path::Path,
+    env: &[(&str, String)],
+    security: &ClientSecurity,
+) -> (limiter_server::Running, Client) {
     let path = dir.join("policies.yaml");
     std::fs::write(&path, POLICY).unwrap();
-    let config = ServerConfig::for_policy(&path).unwrap();
+    let mut vars = vec![("LIMITER__POLICY_FILE".to_owned(), path.display().to_string())];
+    vars.extend(env.iter().map(|(k, v)| ((*k).to_owned(), v.clone())));
+    let config = ServerConfig::load_with_env(None, vars).unwrap();
     let running = Server::new(config).unwrap().spawn_local().await.unwrap();
-    let client = RateLimiterClient::connect(running.url()).await.unwrap();
+    let channel = security.endpoint(&running.grpc.to_string()).unwrap().connect().await.unwrap();
+    let client = RateLimiterClient::new(tonic::service::interceptor::InterceptedService::new(
+        channel,
+        security.auth(),
+    ));
     (running, client)
+}
+
+/// A server serving TLS and asking for a token, and a client that has both.
+async fn start_secured(dir: &std::path::Path) -> (limiter_server::Running, Client) {
+    let ca = pki::Ca::new(dir, "ca");
+    let cert = ca.issue("server", &["localhost", "127.0.0.1"]);
+    let tokens = dir.join("tokens");
+    std::fs::write(&tokens, "bench client bench-token\n").unwrap();
+    let env = [
+        ("LIMITER__SECURITY__TOKENS_FILE", tokens.display().to_string()),
+        ("LIMITER__SECURITY__GRPC__CERT_FILE", cert.cert.display().to_string()),
+        ("LIMITER__SECURITY__GRPC__KEY_FILE", cert.key.display().to_string()),
+        ("LIMITER__SECURITY__GRPC__AUTH", "token".to_owned()),
+    ];
+    let security = ClientSecurity::tls(ca.pem()).with_token("bench-token").unwrap();
+    start(dir, &env, &security).await
+}
+
+/// `ShouldAllow` on five levels, key `i` of `KEYS`.
+fn allow_call(
+    client: &Client,
+    keys: &Arc<Vec<String>>,
+    i: u64,
+) -> impl Future<Output = ()> + use<> {
+    let mut c = client.clone();
+    let req = pb::ShouldAllowRequest {
+        tenant: "acme".into(),
+        route: "/search".into(),
+        key: keys[(i % KEYS) as usize].clone(),
+        ..Default::default()
+    };
+    async move {
+        let r = c.should_allow(req).await.unwrap().into_inner();
+        assert!(r.allowed);
+    }
 }
 
 /// Runs `iters` calls of `call` from `CONCURRENCY` tasks; returns the wall time.
@@ -75,7 +130,9 @@ where
 fn grpc(c: &mut Criterion) {
     let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build().unwrap();
     let dir = tempfile::tempdir().unwrap();
-    let (_running, client) = rt.block_on(start(dir.path()));
+    let (_running, client) = rt.block_on(start(dir.path(), &[], &ClientSecurity::plaintext()));
+    let secured_dir = tempfile::tempdir().unwrap();
+    let (_secured, secured) = rt.block_on(start_secured(secured_dir.path()));
     let keys: Arc<Vec<String>> = Arc::new((0..KEYS).map(|i| format!("user-{i}")).collect());
 
     let mut g = c.benchmark_group("grpc_unary_64_concurrent");
@@ -91,24 +148,16 @@ fn grpc(c: &mut Criterion) {
             })
         });
     });
-    g.bench_function("should_allow_5_levels", |b| {
-        b.to_async(&rt).iter_custom(|iters| {
-            let (client, keys) = (client.clone(), keys.clone());
-            drive(iters, move |i| {
-                let mut c = client.clone();
-                let req = pb::ShouldAllowRequest {
-                    tenant: "acme".into(),
-                    route: "/search".into(),
-                    key: keys[(i % KEYS) as usize].clone(),
-                    ..Default::default()
-                };
-                async move {
-                    let r = c.should_allow(req).await.unwrap().into_inner();
-                    assert!(r.allowed);
-                }
-            })
+    for (name, client) in
+        [("should_allow_5_levels", &client), ("should_allow_5_levels_tls_token", &secured)]
+    {
+        g.bench_function(name, |b| {
+            b.to_async(&rt).iter_custom(|iters| {
+                let (client, keys) = (client.clone(), keys.clone());
+                drive(iters, move |i| allow_call(&client, &keys, i))
+            });
         });
-    });
+    }
     g.finish();
 }
 

@@ -173,6 +173,17 @@ impl ClientSecurity {
     /// An invalid address, or TLS that cannot be set on it.
     pub fn endpoint(&self, address: &str) -> Result<Endpoint, ConnectError> {
         let url = self.url(address);
+        // A scheme that disagrees with the settings would fail later, less clearly (or
+        // send a token in clear).
+        if self.is_tls() && url.starts_with("http://") {
+            return Err(ConnectError::Tls(
+                url,
+                "TLS is configured but the URL says http://".into(),
+            ));
+        }
+        if !self.is_tls() && url.starts_with("https://") {
+            return Err(ConnectError::Tls(url, "an https:// URL needs a CA to trust".into()));
+        }
         let endpoint = Endpoint::from_shared(url.clone())
             .map_err(|e| ConnectError::Endpoint(url.clone(), e.to_string()))?;
         match &self.tls {
@@ -258,6 +269,16 @@ mod tests {
         assert_eq!(r.metadata().get(AUTHORIZATION).unwrap(), "Bearer abc");
         let r = ClientSecurity::plaintext().auth().call(tonic::Request::new(())).unwrap();
         assert!(r.metadata().get(AUTHORIZATION).is_none());
+    }
+
+    #[test]
+    fn a_scheme_must_agree_with_the_settings() {
+        let plain = ClientSecurity::plaintext();
+        let e = plain.endpoint("https://a:1").unwrap_err();
+        assert!(e.to_string().contains("needs a CA"), "{e}");
+        assert!(plain.endpoint("a:1").is_ok());
+        let e = ClientSecurity::tls(b"").endpoint("http://a:1").unwrap_err();
+        assert!(e.to_string().contains("says http://"), "{e}");
     }
 
     #[test]

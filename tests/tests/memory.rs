@@ -26,6 +26,9 @@ tenants:
     limit: { algorithm: fixed_window, limit: 600, window: 1h }
   legit-2:
     limit: { algorithm: fixed_window, limit: 600, window: 1h }
+  key-flood:
+    limit: { algorithm: token_bucket, rate: 1000000/s, burst: 1000000 }
+    per_key: { algorithm: sliding_log, limit: 10, window: 10s }
   default:
     limit: { algorithm: token_bucket, rate: 100/s, burst: 100 }
     per_key: { algorithm: sliding_log, limit: 10, window: 10s }
@@ -34,6 +37,9 @@ tenants:
 const CAP: usize = 100_000;
 const FLOOD: usize = 1_000_000;
 const BATCH: usize = 1_000;
+/// The second flood: one tenant's distinct keys, against its own cap.
+const KEYS_PER_TENANT: usize = 20_000;
+const KEY_FLOOD: usize = 100_000;
 
 fn rss_kib(pid: u32) -> u64 {
     let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
@@ -89,6 +95,7 @@ async fn a_million_tenants_stay_under_the_cap_and_leave_the_others_alone() {
         ("LIMITER__STORE__MAX_KEYS".to_owned(), CAP.to_string()),
         ("LIMITER__LIMITS__MAX_BATCH".to_owned(), BATCH.to_string()),
         ("LIMITER__LIMITS__MAX_MESSAGE_BYTES".to_owned(), "262144".to_owned()),
+        ("LIMITER__LIMITS__MAX_KEYS_PER_TENANT".to_owned(), KEYS_PER_TENANT.to_string()),
     ];
     let bin = std::path::Path::new(env!("CARGO_BIN_EXE_limiter-server-under-test"));
     let server = ServerProcess::spawn(bin, &policy, free_addr(), free_addr(), 0, &env);
@@ -182,5 +189,44 @@ async fn a_million_tenants_stay_under_the_cap_and_leave_the_others_alone() {
             after += u64::from(c.should_allow(req).await.unwrap().into_inner().allowed);
         }
         assert_eq!(b + d + after, 600, "legit-{i}: {b} before, {d} during, {after} after");
+    }
+
+    // A second flood: one tenant's distinct keys stop at its own cap (within one
+    // batch: a batch is checked whole before it is decided), refused and counted.
+    let (mut admitted, mut refused) = (0usize, 0usize);
+    for b in 0..KEY_FLOOD / BATCH {
+        let requests = (0..BATCH)
+            .map(|i| pb::ShouldAllowRequest {
+                tenant: "key-flood".into(),
+                route: "/api".into(),
+                key: format!("k-{}", b * BATCH + i),
+                ..Default::default()
+            })
+            .collect();
+        match c.should_allow_batch(pb::ShouldAllowBatchRequest { requests }).await {
+            Ok(r) => admitted += r.into_inner().responses.iter().filter(|x| x.allowed).count(),
+            Err(e) => {
+                assert_eq!(e.code(), tonic::Code::ResourceExhausted, "{e:?}");
+                assert!(e.message().contains("limits.max_keys_per_tenant"), "{}", e.message());
+                refused += 1;
+            }
+        }
+    }
+    println!(
+        "key flood: {KEY_FLOOD} keys of one tenant, {admitted} admitted, {refused} batches refused (cap {KEYS_PER_TENANT})"
+    );
+    assert!((KEYS_PER_TENANT..=KEYS_PER_TENANT + BATCH).contains(&admitted), "{admitted}");
+    assert_eq!(refused, (KEY_FLOOD - admitted) / BATCH);
+    assert!(
+        server.metric("limiter_limit_refusals_total", &["keys_per_tenant"]).await >= refused as f64
+    );
+    // The legitimate tenants, at their limit, are still refused: nothing reset them.
+    for i in 0..3 {
+        let req = pb::ShouldAllowRequest {
+            tenant: format!("legit-{i}"),
+            route: "/api".into(),
+            ..Default::default()
+        };
+        assert!(!c.should_allow(req).await.unwrap().into_inner().allowed, "legit-{i}");
     }
 }

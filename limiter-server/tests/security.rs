@@ -71,6 +71,14 @@ struct Pki {
     server: Leaf,
 }
 
+impl Pki {
+    /// The server's certificate and key files and the CA's, as settings.
+    fn files(&self) -> (String, String, String) {
+        let path = |p: &std::path::Path| p.display().to_string();
+        (path(&self.server.cert), path(&self.server.key), path(&self.ca.cert))
+    }
+}
+
 fn pki() -> Pki {
     let dir = tempfile::tempdir().unwrap();
     let ca = Ca::new(dir.path(), "ca");
@@ -85,11 +93,8 @@ async fn tokens_over_tls_let_in_only_their_holders() {
     let tokens = p.dir.path().join("tokens");
     std::fs::write(&tokens, "gw client gw-token\nnode peer node-token\nprom admin prom-token\n")
         .unwrap();
-    let (cert, key, tokens_path) = (
-        p.server.cert.display().to_string(),
-        p.server.key.display().to_string(),
-        tokens.display().to_string(),
-    );
+    let (cert, key, _) = p.files();
+    let tokens_path = tokens.display().to_string();
     let s = TestServer::start_with(
         POLICY,
         &[
@@ -189,11 +194,7 @@ async fn mutual_tls_admits_certificates_of_its_ca_and_names_its_peers() {
     let gateway = p.ca.issue("gateway", &["gateway.example"]);
     let peer = p.ca.issue("peer", &["node.limiter.internal"]);
     let stranger = p.other_ca.issue("stranger", &["node.limiter.internal"]);
-    let (cert, key, ca) = (
-        p.server.cert.display().to_string(),
-        p.server.key.display().to_string(),
-        p.ca.cert.display().to_string(),
-    );
+    let (cert, key, ca) = p.files();
     let s = TestServer::start_with(
         POLICY,
         &[
@@ -360,11 +361,7 @@ async fn the_admin_port_serves_tls_to_holders_of_a_client_certificate() {
     let p = pki();
     let ops = p.ca.issue("ops", &["ops.example"]);
     let stranger = p.other_ca.issue("stranger", &["ops.example"]);
-    let (cert, key, ca) = (
-        p.server.cert.display().to_string(),
-        p.server.key.display().to_string(),
-        p.ca.cert.display().to_string(),
-    );
+    let (cert, key, ca) = p.files();
     let s = TestServer::start_with(
         POLICY,
         &[

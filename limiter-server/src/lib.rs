@@ -3,7 +3,8 @@
 //! - gRPC on one port: our `limiter.v1.RateLimiter` ([`service`]), Envoy's
 //!   `envoy.service.ratelimit.v3.RateLimitService` ([`envoy`]) and `grpc.health.v1`;
 //! - an admin HTTP port ([`admin`]): `/metrics`, `/healthz`, `/readyz`, `/policy`;
-//! - the policy file, hot-reloaded ([`reload`]); counters in a [`store::Store`].
+//! - the policy file, hot-reloaded ([`reload`]); counters in a [`store::Store`];
+//! - TLS and authentication per listener, and for calls to peers ([`security`]).
 //!
 //! [`Server::new`] validates everything before a socket exists; [`Server::run`] takes
 //! listeners its caller bound (tests pass port 0) and a shutdown future.

@@ -4,6 +4,7 @@
 //! - [`envoy`]: a wire-compatible declaration of Envoy's rate limit service v3
 //!   (`envoy.service.ratelimit.v3.RateLimitService/ShouldRateLimit`), so that real
 //!   Envoy proxies can call us. Only the messages that service uses are declared.
+//! - [`connect`]: how clients reach a server: TLS, client certificates, bearer tokens.
 //!
 //! Generated at build time by `build.rs` with protox (no system `protoc`).
 

@@ -293,6 +293,14 @@ impl Security {
             )
             .map_err(|e| format!("security.peers: {e}")),
         );
+        for (name, l) in [("grpc", &c.grpc), ("admin", &c.admin)] {
+            if l.auth == AuthMode::Token && l.tls.is_none() {
+                tracing::warn!(
+                    listener = name,
+                    "bearer tokens are checked on a plaintext listener: they travel in clear"
+                );
+            }
+        }
         match (grpc_guard, admin_guard, peers) {
             (Some(g), Some(a), Some(peers)) if errors.is_empty() => Ok(Self {
                 grpc_tls,

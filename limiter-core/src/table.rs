@@ -71,6 +71,9 @@ type TenantCounts = Mutex<HashMap<Box<str>, u32, ahash::RandomState>>;
 /// How many key-scope counters each tenant holds, when they are capped.
 struct TenantKeys {
     cap: u32,
+    /// Tenants holding `cap` counters or more: while none does, a decision needs no
+    /// lock to know it may create counters (the common case, on every decision).
+    at_cap: AtomicU64,
     shards: Box<[TenantCounts]>,
     hasher: ahash::RandomState,
 }
@@ -79,7 +82,7 @@ impl TenantKeys {
     fn new(cap: u32) -> Self {
         let hasher = ahash::RandomState::new();
         let shards = (0..64).map(|_| Mutex::new(HashMap::with_hasher(hasher.clone()))).collect();
-        Self { cap, shards, hasher }
+        Self { cap, at_cap: AtomicU64::new(0), shards, hasher }
     }
 
     fn shard(&self, tenant: &str) -> &TenantCounts {
@@ -93,22 +96,35 @@ impl TenantKeys {
 
     fn add(&self, tenant: &str) {
         let mut map = self.shard(tenant).lock();
-        match map.get_mut(tenant) {
-            Some(n) => *n += 1,
-            None => {
-                map.insert(tenant.into(), 1);
-            }
+        // Looked up before inserting: the common case allocates nothing.
+        let n = match map.get_mut(tenant) {
+            Some(n) => n,
+            None => map.entry(tenant.into()).or_insert(0),
+        };
+        *n += 1;
+        if *n == self.cap {
+            self.at_cap.fetch_add(1, Ordering::Relaxed);
         }
     }
 
     fn remove(&self, tenant: &str) {
         let mut map = self.shard(tenant).lock();
         if let Some(n) = map.get_mut(tenant) {
+            if *n == self.cap {
+                self.at_cap.fetch_sub(1, Ordering::Relaxed);
+            }
             *n -= 1;
             if *n == 0 {
                 map.remove(tenant);
             }
         }
+    }
+
+    fn clear(&self) {
+        for shard in &self.shards {
+            shard.lock().clear();
+        }
+        self.at_cap.store(0, Ordering::Relaxed);
     }
 }
 
@@ -175,7 +191,10 @@ impl StateTable {
     ///
     /// The first new key whose tenant is at its cap.
     pub fn admits(&self, keys: &[LimitKeyRef<'_>]) -> Result<(), KeysPerTenantExceeded> {
-        let Some(t) = &self.tenant_keys else { return Ok(()) };
+        let Some(t) = self.tenant_keys.as_ref().filter(|t| t.at_cap.load(Ordering::Relaxed) > 0)
+        else {
+            return Ok(());
+        };
         for k in keys.iter().filter(|k| k.scope == Scope::Key) {
             if t.count(k.tenant) < t.cap {
                 continue;
@@ -319,9 +338,7 @@ impl StateTable {
             map.clear();
         }
         if let Some(t) = &self.tenant_keys {
-            for shard in &t.shards {
-                shard.lock().clear();
-            }
+            t.clear();
         }
         self.keys.fetch_sub(n as u64, Ordering::Relaxed);
         n

@@ -475,6 +475,11 @@ impl ServerConfig {
     }
 }
 
+/// The non-empty, trimmed items of a comma-separated setting.
+pub(crate) fn comma_list(text: &str) -> Vec<String> {
+    text.split(',').map(str::trim).filter(|n| !n.is_empty()).map(str::to_owned).collect()
+}
+
 fn positive(errors: &mut Vec<String>, name: &str, v: i64, max: i64) -> usize {
     if v <= 0 || v > max {
         errors.push(format!("{name}: must be between 1 and {max}, found {v}"));
@@ -502,13 +507,7 @@ fn redis_settings(errors: &mut Vec<String>, r: &RawRedis) -> RedisSettings {
             r.url
         ));
     }
-    let cluster_nodes: Vec<String> = r
-        .cluster_nodes
-        .split(',')
-        .map(str::trim)
-        .filter(|n| !n.is_empty())
-        .map(str::to_owned)
-        .collect();
+    let cluster_nodes = comma_list(&r.cluster_nodes);
     for n in cluster_nodes.iter().filter(|n| !url_ok(n)) {
         errors.push(format!("store.redis.cluster_nodes: `{n}` is not a redis:// or rediss:// URL"));
     }

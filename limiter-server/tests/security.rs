@@ -45,15 +45,8 @@ async fn forwarded(c: &mut RateLimiterClient<AuthChannel>) -> Result<bool, tonic
 
 /// A GET on the admin port with optional bearer token: (status, body).
 async fn admin_get(addr: SocketAddr, path: &str, token: Option<&str>) -> (u16, String) {
-    let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
     let auth = token.map(|t| format!("Authorization: Bearer {t}\r\n")).unwrap_or_default();
-    let req = format!("GET {path} HTTP/1.1\r\nHost: {addr}\r\n{auth}Connection: close\r\n\r\n");
-    s.write_all(req.as_bytes()).await.unwrap();
-    let mut buf = Vec::new();
-    s.read_to_end(&mut buf).await.unwrap();
-    let text = String::from_utf8_lossy(&buf).into_owned();
-    let status = text.split(' ').nth(1).and_then(|c| c.parse().ok()).unwrap_or(0);
-    (status, text.split_once("\r\n\r\n").map(|(_, b)| b.to_owned()).unwrap_or_default())
+    common::http_get_with(addr, path, &auth).await
 }
 
 /// The value of the metric line starting with `prefix`, 0 when absent.

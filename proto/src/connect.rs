@@ -150,11 +150,6 @@ impl ClientSecurity {
         self.tls.is_some()
     }
 
-    /// Whether calls carry a token.
-    pub fn has_token(&self) -> bool {
-        self.token.is_some()
-    }
-
     /// The URL of a `host:port` address (`https://` with TLS); URLs are kept as they are.
     pub fn url(&self, address: &str) -> String {
         if address.contains("://") {

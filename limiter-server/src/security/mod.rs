@@ -129,13 +129,7 @@ fn listener(
             None
         }
     };
-    let peer_names: Vec<String> = r
-        .peer_names
-        .split(',')
-        .map(str::trim)
-        .filter(|n| !n.is_empty())
-        .map(str::to_owned)
-        .collect();
+    let peer_names = crate::config::comma_list(&r.peer_names);
     let auth = match r.auth.as_str() {
         "none" => AuthMode::None,
         "token" => {
@@ -265,8 +259,7 @@ impl Security {
         let tokens = c.tokens_file.clone().and_then(|p| keep(e, TokenFile::load(p))).map(Arc::new);
         let tls = |e: &mut Vec<String>, name, l: &ListenerSecurity, certs, alpn| {
             let files = l.tls.clone()?;
-            keep(e, TlsState::load(name, &format!("security.{name}"), files, certs, alpn))
-                .map(Arc::new)
+            keep(e, TlsState::load(name, files, certs, alpn)).map(Arc::new)
         };
         let grpc_tls = tls(e, "grpc", &c.grpc, ClientCerts::Optional, b"h2");
         // The admin port cannot see certificates per request: mTLS is enforced in the
@@ -318,8 +311,7 @@ impl Security {
     /// force. Bad ones are logged and counted; what was in force stays.
     pub fn reload(&self) {
         for tls in [&self.grpc_tls, &self.admin_tls].into_iter().flatten() {
-            let name = tls.listener();
-            report(name, "certificate", tls.reload(&format!("security.{name}")));
+            report(tls.listener(), "certificate", tls.reload());
         }
         if let Some(t) = &self.tokens {
             report("tokens", "tokens", t.reload());

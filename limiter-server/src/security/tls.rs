@@ -68,6 +68,11 @@ impl std::fmt::Debug for TlsState {
     }
 }
 
+/// The configuration section of `listener`'s settings.
+fn section(listener: &str) -> String {
+    format!("security.{listener}")
+}
+
 fn read(field: &str, path: &Path) -> Result<Vec<u8>, String> {
     std::fs::read(path).map_err(|e| format!("{field}: cannot read `{}`: {e}", path.display()))
 }
@@ -78,16 +83,16 @@ impl TlsState {
     /// # Errors
     ///
     /// An unreadable file, or one that holds no usable certificate or key; the message
-    /// names the field (under `section`) and the file.
+    /// names the field (under `security.<listener>`) and the file.
     pub fn load(
         listener: &'static str,
-        section: &str,
         files: TlsFiles,
         client_certs: ClientCerts,
         alpn: &'static [u8],
     ) -> Result<Self, String> {
-        let contents = Self::read_all(section, &files)?;
-        let config = build(section, &files, &contents, client_certs, alpn)?;
+        let section = section(listener);
+        let contents = Self::read_all(&section, &files)?;
+        let config = build(&section, &files, &contents, client_certs, alpn)?;
         Ok(Self {
             listener,
             files,
@@ -113,8 +118,9 @@ impl TlsState {
     /// use them. `None`: unchanged.
     ///
     /// A bad new certificate keeps the old one in service.
-    pub fn reload(&self, section: &str) -> Option<Result<(), String>> {
-        let contents = match Self::read_all(section, &self.files) {
+    pub fn reload(&self) -> Option<Result<(), String>> {
+        let section = section(self.listener);
+        let contents = match Self::read_all(&section, &self.files) {
             Ok(c) => c,
             Err(e) => return Some(Err(e)),
         };
@@ -123,7 +129,7 @@ impl TlsState {
         if *seen == joined {
             return None;
         }
-        let result = build(section, &self.files, &contents, self.client_certs, self.alpn)
+        let result = build(&section, &self.files, &contents, self.client_certs, self.alpn)
             .map(|c| self.config.store(Arc::new(c)));
         // A bad version is reported once, not on every poll.
         *seen = joined;

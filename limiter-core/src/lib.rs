@@ -23,6 +23,7 @@ pub mod policy;
 pub mod rate;
 pub mod ring;
 pub mod table;
+pub mod text;
 
 pub use decision::{Binding, Decision, Reason, Scope};
 pub use error::RequestError;

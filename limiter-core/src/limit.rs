@@ -218,6 +218,18 @@ impl Algorithm for Limit {
         with_state!(self, state, |a, s| a.is_idle(s, now))
     }
 
+    /// A state of another algorithm is not plausible; a fresh one always is.
+    fn plausible(&self, state: &LimitState, now: Nanos, skew: Nanos) -> bool {
+        match (self, state) {
+            (_, LimitState::Fresh) => true,
+            (Self::TokenBucket(a), LimitState::TokenBucket(s)) => a.plausible(s, now, skew),
+            (Self::FixedWindow(a), LimitState::FixedWindow(s)) => a.plausible(s, now, skew),
+            (Self::SlidingLog(a), LimitState::SlidingLog(s)) => a.plausible(s, now, skew),
+            (Self::SlidingCounter(a), LimitState::SlidingCounter(s)) => a.plausible(s, now, skew),
+            _ => false,
+        }
+    }
+
     fn grant_hold(&self, now: Nanos, hold: Nanos) -> Nanos {
         match self {
             Self::TokenBucket(a) => a.grant_hold(now, hold),

@@ -52,6 +52,7 @@ struct RawCluster {
     handoff_timeout_ms: i64,
     fence_ms: i64,
     slice_ttl_ms: i64,
+    insecure_peers: bool,
 }
 
 #[derive(Debug, Deserialize)]
@@ -93,6 +94,13 @@ struct RawLimits {
     max_concurrent_streams: i64,
     max_keys_per_tenant: i64,
     max_log_entries: i64,
+    max_connections: i64,
+    max_admin_connections: i64,
+    header_timeout_ms: i64,
+    idle_timeout_ms: i64,
+    admin_idle_timeout_ms: i64,
+    keepalive_interval_ms: i64,
+    keepalive_timeout_ms: i64,
 }
 
 #[derive(Debug, Deserialize)]
@@ -108,6 +116,7 @@ struct RawEnvoy {
 #[serde(deny_unknown_fields)]
 struct RawReload {
     poll_interval_ms: i64,
+    settle_ms: i64,
 }
 
 #[derive(Debug, Deserialize)]
@@ -148,12 +157,20 @@ limits:
   max_concurrent_streams: 256
   max_keys_per_tenant: 100000
   max_log_entries: 100000
+  max_connections: 0
+  max_admin_connections: 0
+  header_timeout_ms: 10000
+  idle_timeout_ms: 300000
+  admin_idle_timeout_ms: 60000
+  keepalive_interval_ms: 30000
+  keepalive_timeout_ms: 10000
 envoy:
   tenant_from: domain
   tenant_key: tenant
   route_key: route
 reload:
   poll_interval_ms: 1000
+  settle_ms: 500
 shutdown:
   drain_delay_ms: 2000
   grace_ms: 10000
@@ -174,6 +191,7 @@ cluster:
   handoff_timeout_ms: 2000
   fence_ms: 0
   slice_ttl_ms: 4000
+  insecure_peers: false
 "#;
 
 /// Where a Envoy request's tenant comes from.
@@ -222,6 +240,44 @@ pub struct Limits {
     /// The largest `limit` of a sliding log a policy may set: its entries per key
     /// (16 bytes each).
     pub max_log_entries: u64,
+    /// Open gRPC connections at most (0: derived from the open-file limit).
+    pub max_connections: usize,
+    /// Open admin connections at most (0: derived from the open-file limit).
+    pub max_admin_connections: usize,
+    /// Time from a connection's accept to its first request, on both ports.
+    pub header_timeout: Duration,
+    /// Time a gRPC connection may stay open with no call in flight.
+    pub idle_timeout: Duration,
+    /// Time an admin connection may stay open with no request in flight.
+    pub admin_idle_timeout: Duration,
+    /// HTTP/2 keep-alive pings on the gRPC port, this often.
+    pub keepalive_interval: Duration,
+    /// A ping not answered in this long closes the connection.
+    pub keepalive_timeout: Duration,
+}
+
+impl Limits {
+    /// The bounds of the gRPC and admin listeners' connections for an open-file limit
+    /// of `files` (the caps not set are derived from it).
+    pub fn connections(
+        &self,
+        files: u64,
+    ) -> (crate::listener::ConnectionLimits, crate::listener::ConnectionLimits) {
+        let (grpc, admin) = crate::listener::default_caps(files);
+        let pick = |set: usize, derived: usize| if set == 0 { derived } else { set };
+        (
+            crate::listener::ConnectionLimits {
+                max: pick(self.max_connections, grpc),
+                header_timeout: self.header_timeout,
+                idle_timeout: self.idle_timeout,
+            },
+            crate::listener::ConnectionLimits {
+                max: pick(self.max_admin_connections, admin),
+                header_timeout: self.header_timeout,
+                idle_timeout: self.admin_idle_timeout,
+            },
+        )
+    }
 }
 
 /// The validated configuration.
@@ -245,6 +301,8 @@ pub struct ServerConfig {
     pub envoy: EnvoyMapping,
     /// Fallback poll of the policy file (file events are the main trigger).
     pub reload_poll: Duration,
+    /// How long the policy file must be still before a change is loaded.
+    pub reload_settle: Duration,
     /// After SIGTERM: readiness is false for this long before the listener closes.
     pub drain_delay: Duration,
     /// Then in-flight calls get this long to finish.
@@ -312,6 +370,9 @@ pub struct ClusterConfig {
     pub fence: Duration,
     /// How long a slice of a root key leased from its owner lasts.
     pub slice_ttl: Duration,
+    /// The operator accepts a cluster whose gRPC port authenticates nobody, where any
+    /// client can pass for a peer (hand off counters, send forwarded calls).
+    pub insecure_peers: bool,
 }
 
 /// Parses `id=host:port[*weight],...`.
@@ -400,6 +461,7 @@ fn cluster_config(errors: &mut Vec<String>, c: &RawCluster, listen: &str) -> Clu
         handoff_timeout: millis(errors, "cluster.handoff_timeout_ms", c.handoff_timeout_ms, false),
         fence: millis(errors, "cluster.fence_ms", c.fence_ms, true),
         slice_ttl: millis(errors, "cluster.slice_ttl_ms", c.slice_ttl_ms, false),
+        insecure_peers: c.insecure_peers,
     }
 }
 
@@ -486,6 +548,14 @@ fn positive(errors: &mut Vec<String>, name: &str, v: i64, max: i64) -> usize {
         return 1;
     }
     usize::try_from(v).unwrap_or(1)
+}
+
+/// A count where 0 means "derive it".
+fn count_or_zero(errors: &mut Vec<String>, name: &str, v: i64) -> usize {
+    if v == 0 {
+        return 0;
+    }
+    positive(errors, name, v, 1 << 24)
 }
 
 fn millis(errors: &mut Vec<String>, name: &str, v: i64, allow_zero: bool) -> Duration {
@@ -650,6 +720,32 @@ impl TryFrom<Raw> for ServerConfig {
                 i64::try_from(limiter_core::policy::load::SLIDING_LOG_MAX_LIMIT)
                     .unwrap_or(i64::MAX),
             ) as u64,
+            max_connections: count_or_zero(&mut errors, "limits.max_connections", l.max_connections),
+            max_admin_connections: count_or_zero(
+                &mut errors,
+                "limits.max_admin_connections",
+                l.max_admin_connections,
+            ),
+            header_timeout: millis(&mut errors, "limits.header_timeout_ms", l.header_timeout_ms, false),
+            idle_timeout: millis(&mut errors, "limits.idle_timeout_ms", l.idle_timeout_ms, false),
+            admin_idle_timeout: millis(
+                &mut errors,
+                "limits.admin_idle_timeout_ms",
+                l.admin_idle_timeout_ms,
+                false,
+            ),
+            keepalive_interval: millis(
+                &mut errors,
+                "limits.keepalive_interval_ms",
+                l.keepalive_interval_ms,
+                false,
+            ),
+            keepalive_timeout: millis(
+                &mut errors,
+                "limits.keepalive_timeout_ms",
+                l.keepalive_timeout_ms,
+                false,
+            ),
         };
         let tenant_from = match raw.envoy.tenant_from.as_str() {
             "domain" => TenantFrom::Domain,
@@ -666,12 +762,25 @@ impl TryFrom<Raw> for ServerConfig {
         }
         let reload_poll =
             millis(&mut errors, "reload.poll_interval_ms", raw.reload.poll_interval_ms, false);
+        let reload_settle = millis(&mut errors, "reload.settle_ms", raw.reload.settle_ms, true);
         let drain_delay =
             millis(&mut errors, "shutdown.drain_delay_ms", raw.shutdown.drain_delay_ms, true);
         let grace = millis(&mut errors, "shutdown.grace_ms", raw.shutdown.grace_ms, true);
         let cluster = cluster_config(&mut errors, &raw.cluster, &raw.listen);
         let clustered = cluster.membership != Membership::Single;
         let security = crate::security::config(&mut errors, &raw.security, clustered);
+        if clustered
+            && security.grpc.auth == crate::security::guard::AuthMode::None
+            && !cluster.insecure_peers
+        {
+            errors.push(
+                "cluster.membership: a cluster whose gRPC port has `security.grpc.auth: none` \
+                 lets any client act as a peer (hand off counters, send forwarded calls); \
+                 set security.grpc.auth to `token` or `mtls`, or set \
+                 cluster.insecure_peers: true to accept that"
+                    .to_owned(),
+            );
+        }
         if !errors.is_empty() {
             return Err(ConfigError(errors));
         }
@@ -689,6 +798,7 @@ impl TryFrom<Raw> for ServerConfig {
                 default_route: raw.envoy.default_route.filter(|r| !r.is_empty()),
             },
             reload_poll,
+            reload_settle,
             drain_delay,
             grace,
             cluster,

@@ -12,12 +12,14 @@
 //! (`UNAVAILABLE`), never `UNKNOWN`, which Envoy would read as OK: Envoy's
 //! `failure_mode_deny` then decides.
 
+use std::borrow::Cow;
 use std::fmt::Write as _;
 use std::sync::Arc;
 
 use limiter_core::clock::{NANOS_PER_SEC, Nanos};
-use limiter_core::policy::Request;
-use limiter_core::{Decision, Limit, headers};
+use limiter_core::policy::{NameBounds, Request};
+use limiter_core::{RequestError, Verdict};
+use limiter_core::{Decision, Limit, Scope, headers};
 use limiter_proto::envoy::config::core::v3::HeaderValue;
 use limiter_proto::envoy::extensions::common::ratelimit::v3::RateLimitDescriptor;
 use limiter_proto::envoy::service::ratelimit::v3 as rls;
@@ -30,6 +32,7 @@ use crate::convert::duration;
 use crate::error::ServerError;
 use crate::metrics::Api;
 use crate::owner::{Outcome, Owner};
+use crate::store::Charged;
 
 /// `envoy.service.ratelimit.v3.RateLimitService` over an [`Owner`].
 #[derive(Debug, Clone)]
@@ -47,15 +50,58 @@ impl EnvoyService {
 
 /// One descriptor, mapped.
 struct Mapped<'a> {
-    tenant: &'a str,
-    route: &'a str,
+    tenant: Cow<'a, str>,
+    route: Cow<'a, str>,
     key: Option<String>,
     cost: u64,
     dry_run: bool,
 }
 
+/// How many hex digits of a value's SHA-256 stand for a value too long for a name.
+const DIGEST_HEX: usize = 32;
+
+/// What an empty descriptor value is named (a name of ours is never empty).
+const EMPTY_VALUE: &str = "%empty";
+
+/// A descriptor value (a header a client chose) as a name of ours, never refused:
+/// control characters (HTTP allows TAB and obs-text in header values) are written
+/// `%XX`, byte by byte; an empty value is [`EMPTY_VALUE`]; a name still longer than
+/// `max` bytes becomes `sha256:` and the first [`DIGEST_HEX`] hex digits of its
+/// SHA-256, so the limit still applies to it, as one fixed-length key per value.
+fn name_from(value: &str, max: usize) -> Cow<'_, str> {
+    if value.is_empty() {
+        return Cow::Borrowed(EMPTY_VALUE);
+    }
+    let mut name = Cow::Borrowed(value);
+    if value.chars().any(char::is_control) {
+        let mut out = String::with_capacity(value.len() + 8);
+        for c in value.chars() {
+            if c.is_control() {
+                let mut buf = [0; 4];
+                for b in c.encode_utf8(&mut buf).bytes() {
+                    let _ = write!(out, "%{b:02X}");
+                }
+            } else {
+                out.push(c);
+            }
+        }
+        name = Cow::Owned(out);
+    }
+    if name.len() > max {
+        let digest = ring::digest::digest(&ring::digest::SHA256, name.as_bytes());
+        let mut out = String::from("sha256:");
+        for b in &digest.as_ref()[..DIGEST_HEX / 2] {
+            let _ = write!(out, "{b:02x}");
+        }
+        out.truncate(max.max(1));
+        name = Cow::Owned(out);
+    }
+    name
+}
+
 fn map<'a>(
     m: &'a EnvoyMapping,
+    bounds: &NameBounds,
     domain: &'a str,
     index: usize,
     d: &'a RateLimitDescriptor,
@@ -106,12 +152,25 @@ fn map<'a>(
         }
         let _ = write!(key, "{}={}", e.key, e.value);
     }
+    let key = (!key.is_empty()).then(|| {
+        let renamed = match name_from(&key, bounds.key) {
+            Cow::Owned(k) => Some(k),
+            Cow::Borrowed(_) => None,
+        };
+        renamed.unwrap_or(key)
+    });
     let (cost, dry_run) = match d.hits_addend {
         Some(0) => (0, true),
         Some(h) => (h, false),
         None => (u64::from(request_hits.max(1)), false),
     };
-    Ok(Mapped { tenant, route, key: (!key.is_empty()).then_some(key), cost, dry_run })
+    Ok(Mapped {
+        tenant: name_from(tenant, bounds.tenant),
+        route: name_from(route, bounds.route),
+        key,
+        cost,
+        dry_run,
+    })
 }
 
 /// Envoy's unit and amount closest to `quota` per `window`: exact when the window is
@@ -169,11 +228,13 @@ fn header(key: &str, value: String) -> HeaderValue {
 }
 
 /// The answer to a decided call, with the IETF `RateLimit` / `RateLimit-Policy` fields,
-/// `Retry-After` and our reason when over limit.
-fn answer(outcomes: &[Outcome]) -> rls::RateLimitResponse {
+/// `Retry-After` and our reason when over limit. In a rejected call the `RateLimit`
+/// items of rejected descriptors come first, with `r=0`; a passing descriptor's item
+/// shows what is really left (nothing was charged).
+fn answer(outcomes: &[Outcome], detail: Option<&str>) -> rls::RateLimitResponse {
     let mut statuses = Vec::with_capacity(outcomes.len());
-    let mut policies: Vec<String> = Vec::new();
-    let mut limits: Vec<String> = Vec::new();
+    // (policy item, limit item, over) per distinct limit.
+    let mut items: Vec<(String, String, bool)> = Vec::new();
     let mut retry: Option<Nanos> = None;
     let mut reason = None;
     for o in outcomes {
@@ -183,9 +244,11 @@ fn answer(outcomes: &[Outcome]) -> rls::RateLimitResponse {
         if let Some((name, l, remaining, wait)) = limit {
             let (q, w) = l.quota();
             let policy = headers::policy_item(&name, q, w);
-            if !policies.contains(&policy) {
-                policies.push(policy);
-                limits.push(headers::limit_item(&name, remaining, wait));
+            let item = headers::limit_item(&name, remaining, wait);
+            match items.iter_mut().find(|(p, _, _)| *p == policy) {
+                None => items.push((policy, item, over)),
+                Some(existing) if over && !existing.2 => *existing = (policy, item, over),
+                Some(_) => {}
             }
             if over {
                 retry = Some(retry.unwrap_or(0).max(wait));
@@ -196,15 +259,23 @@ fn answer(outcomes: &[Outcome]) -> rls::RateLimitResponse {
         }
     }
     let over = statuses.iter().any(|s| s.code == i32::from(Code::OverLimit));
+    // Rejected limits first: a client reading the first item sees why.
+    items.sort_by_key(|(_, _, o)| !*o);
     let mut fields = Vec::new();
-    if !policies.is_empty() {
-        fields.push(header("RateLimit-Policy", policies.join(", ")));
-        fields.push(header("RateLimit", limits.join(", ")));
+    if !items.is_empty() {
+        let join = |pick: fn(&(String, String, bool)) -> &str| {
+            items.iter().map(pick).collect::<Vec<_>>().join(", ")
+        };
+        fields.push(header("RateLimit-Policy", join(|i| &i.0)));
+        fields.push(header("RateLimit", join(|i| &i.1)));
     }
     if over {
         fields.push(header("Retry-After", headers::retry_after(retry.unwrap_or(0))));
         if let Some(r) = reason {
             fields.push(header(headers::REASON_HEADER, r.as_str().to_owned()));
+        }
+        if let Some(d) = detail {
+            fields.push(header(DETAIL_HEADER, d.to_owned()));
         }
     }
     rls::RateLimitResponse {
@@ -215,19 +286,77 @@ fn answer(outcomes: &[Outcome]) -> rls::RateLimitResponse {
     }
 }
 
+/// Why a descriptor that can never be admitted was refused, in words.
+pub const DETAIL_HEADER: &str = "x-ratelimit-detail";
+
+/// A descriptor that can never be decided as sent, answered as over its limit.
+struct Refused {
+    index: usize,
+    outcome: Outcome,
+    detail: String,
+}
+
+/// The over-limit answer for request `i` of `core`, when deciding it failed in a way
+/// its caller chose (a cost above a level's capacity, a new key beyond the tenant's
+/// cap); `None` for any other error.
+fn refused(
+    owner: &Owner,
+    core: &[Request<'_>],
+    i: usize,
+    e: &ServerError,
+) -> Option<Refused> {
+    let req = core.get(i)?;
+    let active = owner.policies().current();
+    let probe = Request { cost: Some(1), dry_run: true, ..*req };
+    let chain = active.policy.resolve(&probe, &owner.limits().names).ok()?;
+    let (scope, detail) = match e {
+        ServerError::Request(RequestError::CostAboveLimit { scope, .. }) => {
+            (*scope, limiter_core::text::shorten(&e.to_string()).into_owned())
+        }
+        ServerError::Exhausted(why) => {
+            (Scope::Key, limiter_core::text::shorten(why).into_owned())
+        }
+        _ => return None,
+    };
+    let level = chain.levels().find(|l| l.scope == scope)?;
+    let limit = *level.rule.limit;
+    let decision = Decision::Rejected {
+        reason: scope.reason(),
+        scope,
+        limit: Some(limit),
+        // It will not fit later either; a client is told to wait a whole window.
+        retry_after: limit.quota().1,
+    };
+    let now = owner.clock().now();
+    Some(Refused {
+        index: i,
+        outcome: Outcome {
+            verdict: Verdict { decision, shadow: chain.shadow },
+            charged: 0,
+            limit_name: Some(level.rule.name.clone()),
+            policy_version: active.version,
+            decided_at: now,
+            charged_at: Charged { at: now, hold: 0 },
+            ticket: None,
+        },
+        detail,
+    })
+}
+
 #[tonic::async_trait]
 impl RateLimitService for EnvoyService {
     async fn should_rate_limit(
         &self,
         request: tonic::Request<rls::RateLimitRequest>,
     ) -> Result<Response<rls::RateLimitResponse>, Status> {
-        let hop = crate::cluster::peers::hop_of(&request);
+        let hop = crate::cluster::peers::checked_hop(&request, self.owner.shared().is_some())?;
         let req = request.into_inner();
         let refuse = |e: ServerError| -> Status {
             Owner::count_invalid(Api::Envoy, &e);
             e.into()
         };
         let max = self.owner.limits().max_descriptors;
+        let names = &self.owner.limits().names;
         if req.descriptors.is_empty() {
             return Err(refuse(ServerError::invalid(
                 "descriptors",
@@ -245,14 +374,14 @@ impl RateLimitService for EnvoyService {
             .descriptors
             .iter()
             .enumerate()
-            .map(|(i, d)| map(&self.mapping, &req.domain, i, d, req.hits_addend))
+            .map(|(i, d)| map(&self.mapping, names, &req.domain, i, d, req.hits_addend))
             .collect::<Result<Vec<_>, _>>()
             .map_err(refuse)?;
         let core: Vec<Request<'_>> = mapped
             .iter()
             .map(|m| Request {
-                tenant: m.tenant,
-                route: m.route,
+                tenant: &m.tenant,
+                route: &m.route,
                 key: m.key.as_deref(),
                 cost: Some(m.cost),
                 dry_run: m.dry_run,
@@ -280,12 +409,56 @@ impl RateLimitService for EnvoyService {
                 None => {}
             }
         }
-        let outcomes = self
-            .owner
-            .decide_with(Api::Envoy, &core, true, false, unreachable)
-            .await
-            .map_err(|(i, e)| crate::error::element_status(Api::Envoy, "descriptors", i, e))?;
-        Ok(Response::new(answer(&outcomes)))
+        self.decide(&core, unreachable).await.map(Response::new)
+    }
+}
+
+impl EnvoyService {
+    /// Decides the descriptors of one call. A descriptor whose cost can never fit, or
+    /// whose key the tenant has no room for, is answered `OVER_LIMIT` with its reason
+    /// (an error would be a free pass: Envoy fails open by default); the others are
+    /// then checked without a charge, so the answer shows what is left for them.
+    async fn decide(
+        &self,
+        core: &[Request<'_>],
+        unreachable: bool,
+    ) -> Result<rls::RateLimitResponse, Status> {
+        let first = self.owner.decide_with(Api::Envoy, core, true, false, unreachable).await;
+        let (i, e) = match first {
+            Ok(outcomes) => return Ok(answer(&outcomes, None)),
+            Err(failed) => failed,
+        };
+        let mut refusals = Vec::new();
+        let mut failure = Some((i, e));
+        // Each pass turns at most one more descriptor into a refusal.
+        for _ in 0..core.len() {
+            let Some((i, e)) = failure.take() else { break };
+            let Some(r) = refused(&self.owner, core, i, &e) else {
+                return Err(crate::error::element_status(Api::Envoy, "descriptors", i, e));
+            };
+            Owner::count_invalid(Api::Envoy, &e);
+            refusals.push(r);
+            let rest: Vec<(usize, Request<'_>)> = core
+                .iter()
+                .enumerate()
+                .filter(|(j, _)| refusals.iter().all(|r| r.index != *j))
+                .map(|(j, r)| (j, Request { dry_run: true, cost: Some(r.cost.unwrap_or(1).max(1)), ..*r }))
+                .collect();
+            let checks: Vec<Request<'_>> = rest.iter().map(|(_, r)| *r).collect();
+            match self.owner.decide_with(Api::Envoy, &checks, false, false, unreachable).await {
+                Ok(outcomes) => {
+                    let mut all: Vec<(usize, Outcome)> =
+                        rest.iter().map(|(j, _)| *j).zip(outcomes).collect();
+                    let detail = refusals.first().map(|r| r.detail.clone());
+                    all.extend(refusals.into_iter().map(|r| (r.index, r.outcome)));
+                    all.sort_by_key(|(j, _)| *j);
+                    let outcomes: Vec<Outcome> = all.into_iter().map(|(_, o)| o).collect();
+                    return Ok(answer(&outcomes, detail.as_deref()));
+                }
+                Err((k, e)) => failure = Some((rest.get(k).map_or(k, |(j, _)| *j), e)),
+            }
+        }
+        Err(Status::internal("descriptors: could not be decided"))
     }
 }
 

@@ -19,6 +19,7 @@ pub mod envoy;
 pub mod error;
 pub mod heavy;
 pub mod lease;
+pub mod listener;
 pub mod metrics;
 pub mod owner;
 pub mod reload;
@@ -36,7 +37,7 @@ use limiter_proto::limiter::v1::rate_limiter_server::RateLimiterServer;
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
-use tonic::transport::server::TcpIncoming;
+use tokio_stream::StreamExt as _;
 
 use crate::cluster::Cluster;
 use crate::config::{ServerConfig, StoreKind};
@@ -229,6 +230,7 @@ impl Server {
         tasks.spawn(reload::watch(
             owner.policies().clone(),
             config.reload_poll,
+            config.reload_settle,
             cancel.child_token(),
         ));
         tasks.spawn({
@@ -264,22 +266,37 @@ impl Server {
         ))
         .max_decoding_message_size(max_message);
         let grpc_stop = CancellationToken::new();
+        let (grpc_limits, admin_limits) = config.limits.connections(listener::raise_file_limit());
+        tracing::info!(
+            grpc = grpc_limits.max,
+            admin = admin_limits.max,
+            header_timeout = ?grpc_limits.header_timeout,
+            "connection caps"
+        );
         let router = tonic::transport::Server::builder()
             .max_concurrent_streams(config.limits.max_concurrent_streams)
+            .http2_keepalive_interval(Some(config.limits.keepalive_interval))
+            .http2_keepalive_timeout(Some(config.limits.keepalive_timeout))
+            // HTTP/1 is accepted only to answer it with a hint (see `grpc_only`).
+            .accept_http1(true)
+            .layer(listener::ActivityLayer)
+            .layer(listener::Http2Only)
             .layer(security::guard::GuardLayer(security.grpc_guard.clone()))
             .add_service(health_service)
             .add_service(native)
             .add_service(envoy);
-        // No Nagle: a decision is a small message that must leave at once.
-        let tcp = TcpIncoming::from(listeners.grpc)
-            .with_nodelay(Some(true))
-            .with_keepalive(Some(std::time::Duration::from_secs(60)));
+        let conns = listener::accept(listeners.grpc, "grpc", grpc_limits, grpc_stop.clone());
         let stopped = grpc_stop.clone().cancelled_owned();
         let grpc = match &security.grpc_tls {
-            None => tokio::spawn(router.serve_with_incoming_shutdown(tcp, stopped)),
+            None => {
+                let incoming = tokio_stream::wrappers::ReceiverStream::new(conns)
+                    .map(Ok::<_, std::io::Error>);
+                tokio::spawn(router.serve_with_incoming_shutdown(incoming, stopped))
+            }
             Some(tls) => {
                 let incoming =
-                    security::tls::grpc_incoming(security::tls::accept(tcp, tls.clone()));
+                    tokio_stream::wrappers::ReceiverStream::new(security::tls::accept(conns, tls.clone()))
+                        .map(Ok::<_, std::io::Error>);
                 tokio::spawn(router.serve_with_incoming_shutdown(incoming, stopped))
             }
         };
@@ -302,25 +319,24 @@ impl Server {
         }
         let app = admin::router(owner.clone(), history, members)
             .layer(security::guard::GuardLayer(security.admin_guard.clone()));
-        let admin_stopped = admin_stop.clone().cancelled_owned();
+        let admin_conns = listener::accept(listeners.admin, "admin", admin_limits, admin_stop.clone());
+        let (header, grace) = (admin_limits.header_timeout, config.grace);
         let admin = match &security.admin_tls {
-            None => tokio::spawn(
-                axum::serve(listeners.admin, app)
-                    .with_graceful_shutdown(admin_stopped)
-                    .into_future(),
-            ),
-            Some(tls) => {
-                let local = listeners.admin.local_addr()?;
-                let tcp = TcpIncoming::from(listeners.admin).with_nodelay(Some(true));
-                let listener = security::tls::AdminListener::new(
-                    security::tls::accept(tcp, tls.clone()),
-                    local,
-                );
-                tokio::spawn(
-                    axum::serve(listener, app).with_graceful_shutdown(admin_stopped).into_future(),
-                )
-            }
+            None => tokio::spawn(listener::serve_http1(admin_conns, app, header, admin_stop.clone(), grace)),
+            Some(tls) => tokio::spawn(listener::serve_http1(
+                security::tls::accept(admin_conns, tls.clone()),
+                app,
+                header,
+                admin_stop.clone(),
+                grace,
+            )),
         };
+        if config.cluster.insecure_peers && owner.shared().is_some() {
+            tracing::warn!(
+                "cluster.insecure_peers is set: the gRPC port authenticates nobody, so any \
+                 client can pass for a peer (hand off counters, send forwarded calls)"
+            );
+        }
         owner.set_ready(true);
         tracing::info!(
             grpc = %config.listen,
@@ -363,8 +379,8 @@ impl Server {
             tracing::warn!("background tasks abandoned after the grace period");
         }
         admin_stop.cancel();
-        if let Ok(Ok(Err(e))) = tokio::time::timeout(config.grace, admin).await {
-            tracing::error!("admin server: {e}");
+        if tokio::time::timeout(config.grace, admin).await.is_err() {
+            tracing::warn!("admin server abandoned after the grace period");
         }
         tracing::info!("stopped");
         result

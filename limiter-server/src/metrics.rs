@@ -37,6 +37,8 @@ pub const STORE_MAX_KEYS: &str = "limiter_store_max_keys";
 pub const STORE_EVICTIONS: &str = "limiter_store_evictions_total";
 /// Policy reloads, by `result` (`ok`, `failed`).
 pub const POLICY_RELOADS: &str = "limiter_policy_reloads_total";
+/// Reads of the policy file (each open of it).
+pub const POLICY_READS: &str = "limiter_policy_reads_total";
 /// The active policy's version.
 pub const POLICY_VERSION: &str = "limiter_policy_version";
 /// When the active policy was loaded (Unix seconds).
@@ -77,6 +79,16 @@ pub const FORWARDS: &str = "limiter_forwards_total";
 pub const HANDOFF_COUNTERS: &str = "limiter_handoff_counters_total";
 /// Handoffs that could not be delivered.
 pub const HANDOFF_FAILURES: &str = "limiter_handoff_failures_total";
+/// Handed-off state refused: from a node not in the cluster, or a counter no
+/// algorithm can reach (`reason`: `sender`, `state`).
+pub const HANDOFF_REFUSED: &str = "limiter_handoff_refused_total";
+/// Connections closed at accept because their listener was at its cap
+/// (`listener`: `grpc`, `admin`; `grpc_http1`: HTTP/1 requests to the gRPC port).
+pub const CONNECTIONS_REFUSED: &str = "limiter_connections_refused_total";
+/// Connections closed for sending no request in time (`kind`: `header`, `idle`).
+pub const CONNECTION_TIMEOUTS: &str = "limiter_connection_timeouts_total";
+/// The cap on open connections per listener.
+pub const CONNECTIONS_MAX: &str = "limiter_connections_max";
 /// Requests that stopped waiting for a handoff that did not arrive in time.
 pub const HANDOFF_TIMEOUTS: &str = "limiter_handoff_timeouts_total";
 /// Decisions made by the failure policy because the tenant is fenced after its old
@@ -145,6 +157,7 @@ fn describe() {
     describe_gauge!(STORE_MAX_KEYS, "The most counters the memory store holds.");
     describe_counter!(STORE_EVICTIONS, "Counters dropped: idle (lossless) or live (store full).");
     describe_counter!(POLICY_RELOADS, "Policy reloads by result.");
+    describe_counter!(POLICY_READS, "Reads of the policy file.");
     describe_gauge!(POLICY_VERSION, "Version of the active policy.");
     describe_gauge!(POLICY_LOADED, Unit::Seconds, "When the active policy was loaded.");
     describe_counter!(COST_REPORTS, "Costs settled after the fact, by direction.");
@@ -167,6 +180,13 @@ fn describe() {
     describe_counter!(FORWARDS, "Calls forwarded to a tenant's owner, by api and outcome.");
     describe_counter!(HANDOFF_COUNTERS, "Counters handed off in planned moves, by direction.");
     describe_counter!(HANDOFF_FAILURES, "Handoffs that could not be delivered.");
+    describe_counter!(
+        HANDOFF_REFUSED,
+        "Handoffs from unknown senders, and handed-off counters no algorithm can reach, refused."
+    );
+    describe_counter!(CONNECTIONS_REFUSED, "Connections closed at accept: the listener's cap.");
+    describe_counter!(CONNECTION_TIMEOUTS, "Connections closed for sending no request in time.");
+    describe_gauge!(CONNECTIONS_MAX, "The cap on open connections, per listener.");
     describe_counter!(HANDOFF_TIMEOUTS, "Requests that stopped waiting for a late handoff.");
     describe_counter!(FENCED_DECISIONS, "Failure-policy decisions for fenced tenants.");
     describe_gauge!(SLICE_UNITS, "Units of root keys held in slices leased from their owners.");

@@ -444,6 +444,10 @@ impl Owner {
                     if let Some(c) = &self.cluster {
                         c.slices().give_back(&slices.keys, o.charged, now);
                     }
+                    // What is left is what it was: nothing stays charged.
+                    if let Decision::Allowed { remaining, .. } = &mut o.verdict.decision {
+                        *remaining = remaining.saturating_add(o.charged);
+                    }
                     o.charged = 0;
                 }
             }

@@ -3,10 +3,15 @@
 //! The policy file's directory is watched (not the file: editors and `sed -i` save by
 //! renaming a new file over the old one, and Kubernetes swaps a `..data` symlink; a
 //! watch on the file itself goes deaf after the first such replacement), with a slow
-//! poll as a backstop. Any event re-reads the file; an unchanged text is ignored; a
+//! poll of the file's metadata (no open) as a backstop. Only writes, creates, renames
+//! and removals of the file, or of the symlink it goes through, count; opens and
+//! reads (our own among them) do not. After a change the file must be still for the
+//! settle time, and read twice with the same text, before it is loaded: a file
+//! written in place in parts is loaded once whole. An unchanged text is ignored; a
 //! new one is validated in full and swapped in atomically. A broken one is logged and
-//! counted, and the last good policy keeps serving. Counters live in the state table
-//! keyed by limit, so unchanged limits keep their counts across a reload.
+//! counted once per distinct text, and the last good policy keeps serving. Counters
+//! live in the state table keyed by limit, so unchanged limits keep their counts
+//! across a reload.
 
 use std::hash::{Hash, Hasher};
 use std::path::{Path, PathBuf};
@@ -49,7 +54,8 @@ impl ActivePolicy {
 /// How the last reload attempts went.
 #[derive(Debug, Clone, Default)]
 pub struct ReloadStatus {
-    /// The last failure's message (every mistake, with file and line).
+    /// The last failure's message (every mistake, with file and line), until a later
+    /// load succeeds or the file is back to the text in service.
     pub last_error: Option<String>,
     /// When the last failure happened, in clock nanoseconds.
     pub last_failure_at: Option<u64>,
@@ -98,6 +104,8 @@ pub type Check = Arc<dyn Fn(&Policy) -> Result<(), String> + Send + Sync>;
 pub enum Reload {
     /// The text is the same as the active policy's.
     Unchanged,
+    /// Two reads gave different texts: the file is still being written.
+    Unsettled,
     /// A new policy is active.
     Reloaded {
         /// Its version.
@@ -114,6 +122,8 @@ pub struct PolicyHolder {
     path: PathBuf,
     current: ArcSwap<ActivePolicy>,
     status: Mutex<ReloadStatus>,
+    /// The digest of the last text refused (logged and counted once).
+    refused: Mutex<Option<u64>>,
     clock: Arc<dyn Clock>,
     check: Check,
 }
@@ -130,14 +140,43 @@ fn digest(text: &str) -> u64 {
     h.finish()
 }
 
+/// The text of a policy file, which must be UTF-8.
+///
+/// # Errors
+///
+/// An unreadable file, or bytes that are not UTF-8 (with the line, column and byte
+/// offset of the first one).
+pub fn read_text(path: &Path) -> Result<String, LoadError> {
+    metrics::counter!(m::POLICY_READS).increment(1);
+    let bytes = std::fs::read(path)
+        .map_err(|source| LoadError::Io { path: path.display().to_string(), source })?;
+    decode(path, bytes)
+}
+
+fn decode(path: &Path, bytes: Vec<u8>) -> Result<String, LoadError> {
+    String::from_utf8(bytes).map_err(|e| {
+        let at = e.utf8_error().valid_up_to();
+        let before = &e.as_bytes()[..at];
+        let line = before.iter().filter(|b| **b == b'\n').count() + 1;
+        let start = before.iter().rposition(|b| *b == b'\n').map_or(0, |i| i + 1);
+        let column = String::from_utf8_lossy(&before[start..]).chars().count() + 1;
+        LoadError::Io {
+            path: format!("{}:{line}:{column}", path.display()),
+            source: std::io::Error::new(
+                std::io::ErrorKind::InvalidData,
+                format!("byte {at} is not UTF-8 (a policy file must be UTF-8 text)"),
+            ),
+        }
+    })
+}
+
 /// Reads and validates a policy file.
 ///
 /// # Errors
 ///
 /// An unreadable file, or every mistake in it.
 pub fn read_policy(path: &Path) -> Result<(Policy, u64), LoadError> {
-    let text = std::fs::read_to_string(path)
-        .map_err(|source| LoadError::Io { path: path.display().to_string(), source })?;
+    let text = read_text(path)?;
     let policy = from_yaml(&text, &path.display().to_string())?;
     Ok((policy, digest(&text)))
 }
@@ -174,6 +213,7 @@ impl PolicyHolder {
             path: path.to_owned(),
             current: ArcSwap::from_pointee(active),
             status: Mutex::default(),
+            refused: Mutex::default(),
             clock,
             check,
         })
@@ -195,17 +235,36 @@ impl PolicyHolder {
     }
 
     /// Re-reads the file; swaps in a new valid policy, keeps the old one otherwise.
+    /// The file is read twice: two different texts mean it is still being written
+    /// ([`Reload::Unsettled`]), and nothing is loaded.
     pub async fn reload(&self) -> Reload {
-        let text = match tokio::fs::read_to_string(&self.path).await {
-            Ok(t) => t,
-            Err(e) => {
-                return self.failed(format!("{}: cannot read: {e}", self.path.display())).await;
-            }
+        let path = self.path.clone();
+        let read = tokio::task::spawn_blocking(move || {
+            let first = read_text(&path)?;
+            let second = read_text(&path)?;
+            Ok::<_, LoadError>((first, second))
+        })
+        .await;
+        let (text, again) = match read {
+            Ok(Ok(texts)) => texts,
+            Ok(Err(e)) => return self.failed(e.to_string(), None),
+            Err(e) => return self.failed(format!("{}: cannot read: {e}", self.path.display()), None),
         };
         let d = digest(&text);
+        if d != digest(&again) {
+            return Reload::Unsettled;
+        }
         let old = self.current.load_full();
         if d == old.digest {
+            // The file says what is in service again: a stale failure is over.
+            self.status.lock().last_error = None;
+            *self.refused.lock() = None;
             return Reload::Unchanged;
+        }
+        if *self.refused.lock() == Some(d) {
+            // Refused already: logged and counted once.
+            let last = self.status.lock().last_error.clone().unwrap_or_default();
+            return Reload::Failed(last);
         }
         let checked = from_yaml(&text, &self.path.display().to_string())
             .map_err(|e| e.to_string())
@@ -216,14 +275,19 @@ impl PolicyHolder {
                 }
             });
         match checked {
-            Err(e) => self.failed(e).await,
+            Err(e) => self.failed(e, Some(d)),
             Ok(policy) => {
                 let changes = describe_changes(&old.policy, &policy);
                 let active = ActivePolicy::new(policy, old.version + 1, self.clock.now(), d);
                 let version = active.version;
                 publish(&active);
                 self.current.store(Arc::new(active));
-                self.status.lock().reloads += 1;
+                {
+                    let mut status = self.status.lock();
+                    status.reloads += 1;
+                    status.last_error = None;
+                }
+                *self.refused.lock() = None;
                 metrics::counter!(m::POLICY_RELOADS, "result" => "ok").increment(1);
                 tracing::info!(version, %changes, file = %self.path.display(), "policy reloaded");
                 Reload::Reloaded { version, changes }
@@ -231,13 +295,15 @@ impl PolicyHolder {
         }
     }
 
-    async fn failed(&self, error: String) -> Reload {
+    fn failed(&self, error: String, digest: Option<u64>) -> Reload {
+        let error = limiter_core::text::shorten_message(&error).into_owned();
         metrics::counter!(m::POLICY_RELOADS, "result" => "failed").increment(1);
         tracing::error!(
             file = %self.path.display(),
             version = self.current.load().version,
             "policy reload refused; the previous policy keeps serving: {error}"
         );
+        *self.refused.lock() = digest;
         let mut s = self.status.lock();
         s.failures += 1;
         s.last_error = Some(error.clone());
@@ -294,38 +360,126 @@ pub fn describe_changes(old: &Policy, new: &Policy) -> String {
     }
 }
 
-/// Watches the policy file's directory and reloads on every change, polling as a
-/// backstop, until `cancel` fires.
-pub async fn watch(holder: Arc<PolicyHolder>, poll: Duration, cancel: CancellationToken) {
+/// What the file's metadata says, to tell a change without opening it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Stat {
+    modified: Option<std::time::SystemTime>,
+    len: u64,
+    inode: u64,
+}
+
+fn stat(path: &Path) -> Option<Stat> {
+    use std::os::unix::fs::MetadataExt as _;
+    let m = std::fs::metadata(path).ok()?;
+    Some(Stat { modified: m.modified().ok(), len: m.len(), inode: m.ino() })
+}
+
+/// The names in the watched directories whose change can change the policy: the
+/// file's own, and the symlinks it is reached through (Kubernetes' `..data`).
+fn names_of_interest(path: &Path) -> (Vec<PathBuf>, Vec<std::ffi::OsString>) {
+    let parent = |p: &Path| {
+        p.parent()
+            .filter(|d| !d.as_os_str().is_empty())
+            .map_or_else(|| PathBuf::from("."), Path::to_path_buf)
+    };
+    let mut dirs = vec![parent(path)];
+    let mut names: Vec<std::ffi::OsString> = path.file_name().map(Into::into).into_iter().collect();
+    if let Ok(target) = std::fs::read_link(path) {
+        if let Some(first) = target.components().next()
+            && target.is_relative()
+        {
+            names.push(first.as_os_str().to_owned());
+        }
+        let target = if target.is_relative() { parent(path).join(target) } else { target };
+        if let Some(n) = target.file_name() {
+            names.push(n.to_owned());
+        }
+        let dir = parent(&target);
+        if !dirs.contains(&dir) {
+            dirs.push(dir);
+        }
+    }
+    (dirs, names)
+}
+
+/// Whether a file event can change the policy: a write, create, rename or removal of
+/// one of `names`, never an open or a read.
+fn relevant(event: &notify::Event, names: &[std::ffi::OsString]) -> bool {
+    use notify::EventKind as K;
+    use notify::event::{AccessKind, AccessMode, ModifyKind};
+    let kind = match event.kind {
+        K::Create(_) | K::Remove(_) | K::Any => true,
+        K::Modify(ModifyKind::Metadata(_)) => false,
+        K::Modify(_) => true,
+        K::Access(AccessKind::Close(AccessMode::Write)) => true,
+        K::Access(_) | K::Other => false,
+    };
+    kind && event.paths.iter().any(|p| p.file_name().is_some_and(|n| names.iter().any(|x| x == n)))
+}
+
+/// Watches the policy file's directory and reloads on every change, polling its
+/// metadata as a backstop, until `cancel` fires. A change is loaded once the file has
+/// been still for `settle`.
+pub async fn watch(
+    holder: Arc<PolicyHolder>,
+    poll: Duration,
+    settle: Duration,
+    cancel: CancellationToken,
+) {
     let (tx, mut rx) = mpsc::channel::<()>(1);
-    let dir = holder.path().parent().map_or_else(|| PathBuf::from("."), Path::to_path_buf);
-    let dir = if dir.as_os_str().is_empty() { PathBuf::from(".") } else { dir };
+    let (dirs, names) = names_of_interest(holder.path());
     let watcher = notify::recommended_watcher(move |event: notify::Result<notify::Event>| {
-        if event.is_ok() {
+        if event.is_ok_and(|e| relevant(&e, &names)) {
             // A full channel already holds a wake-up; any event means "look again".
             let _ = tx.try_send(());
         }
     })
-    .and_then(|mut w| w.watch(&dir, RecursiveMode::NonRecursive).map(|()| w));
+    .and_then(|mut w| {
+        for dir in &dirs {
+            w.watch(dir, RecursiveMode::NonRecursive)?;
+        }
+        Ok(w)
+    });
     let _watcher = match watcher {
         Ok(w) => Some(w),
         Err(e) => {
-            tracing::warn!(dir = %dir.display(), "cannot watch the policy directory, polling only: {e}");
+            tracing::warn!(dirs = ?dirs, "cannot watch the policy directory, polling only: {e}");
             None
         }
     };
     let mut tick = tokio::time::interval(poll);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let path = holder.path().to_path_buf();
+    let mut seen = stat(&path);
     loop {
         tokio::select! {
             () = cancel.cancelled() => return,
-            _ = tick.tick() => {}
-            Some(()) = rx.recv() => {
-                // Let a burst of events (truncate, write, rename) settle first.
-                tokio::time::sleep(Duration::from_millis(50)).await;
-                while rx.try_recv().is_ok() {}
+            _ = tick.tick() => {
+                let now = stat(&path);
+                if now == seen {
+                    continue;
+                }
+            }
+            Some(()) = rx.recv() => {}
+        }
+        // Settle: no event and no change of the metadata for `settle`.
+        loop {
+            let before = stat(&path);
+            tokio::select! {
+                () = cancel.cancelled() => return,
+                () = tokio::time::sleep(settle) => {}
+                Some(()) = rx.recv() => continue,
+            }
+            while rx.try_recv().is_ok() {}
+            let after = stat(&path);
+            if before == after {
+                seen = after;
+                break;
             }
         }
-        let _ = holder.reload().await;
+        if holder.reload().await == Reload::Unsettled {
+            // Written between the two reads: look again after another settle.
+            seen = None;
+        }
     }
 }

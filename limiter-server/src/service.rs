@@ -6,7 +6,7 @@ use limiter_proto::limiter::v1 as pb;
 use pb::rate_limiter_server::RateLimiter;
 use tonic::{Request, Response, Status};
 
-use crate::cluster::peers::{Peer, hop_of, moved};
+use crate::cluster::peers::{Peer, checked_hop, moved};
 use crate::error::{ServerError, element_status};
 use crate::metrics::Api;
 use crate::owner::Owner;
@@ -23,6 +23,10 @@ impl NativeService {
     pub fn new(owner: Arc<Owner>) -> Self {
         Self { owner }
     }
+
+    fn hop<T>(&self, request: &Request<T>) -> Result<u8, Status> {
+        checked_hop(request, self.owner.shared().is_some())
+    }
 }
 
 fn refuse(e: ServerError) -> Status {
@@ -36,7 +40,7 @@ impl RateLimiter for NativeService {
         &self,
         request: Request<pb::ShouldAllowRequest>,
     ) -> Result<Response<pb::ShouldAllowResponse>, Status> {
-        let hop = hop_of(&request);
+        let hop = self.hop(&request)?;
         let req = request.into_inner();
         let mut answers = routing::should_allow(&self.owner, std::slice::from_ref(&req), hop)
             .await
@@ -48,7 +52,7 @@ impl RateLimiter for NativeService {
         &self,
         request: Request<pb::ShouldAllowBatchRequest>,
     ) -> Result<Response<pb::ShouldAllowBatchResponse>, Status> {
-        let hop = hop_of(&request);
+        let hop = self.hop(&request)?;
         let batch = request.into_inner();
         let max = self.owner.limits().max_batch;
         if batch.requests.len() > max {
@@ -74,7 +78,7 @@ impl RateLimiter for NativeService {
         &self,
         request: Request<pb::ReportCostRequest>,
     ) -> Result<Response<pb::ReportCostResponse>, Status> {
-        let hop = hop_of(&request);
+        let hop = self.hop(&request)?;
         let r = request.into_inner();
         if let Some(cluster) = self.owner.cluster() {
             match routing::target(cluster, &r.tenant, hop).await {
@@ -112,7 +116,7 @@ impl RateLimiter for NativeService {
         &self,
         request: Request<pb::LeaseRequest>,
     ) -> Result<Response<pb::LeaseResponse>, Status> {
-        let hop = hop_of(&request);
+        let hop = self.hop(&request)?;
         let r = request.into_inner();
         let max = self.owner.limits().max_batch;
         if r.items.len() > max {
@@ -159,16 +163,19 @@ impl RateLimiter for NativeService {
         &self,
         request: Request<pb::HandoffRequest>,
     ) -> Result<Response<pb::HandoffResponse>, Status> {
-        if hop_of(&request) == 0 {
+        let Some(cluster) = self.owner.shared() else {
+            return Err(Status::permission_denied(
+                "this node is not in a cluster and accepts no handoffs",
+            ));
+        };
+        if self.hop(&request)? == 0 {
             return Err(Status::permission_denied("handoffs come from other nodes only"));
         }
         let r = request.into_inner();
-        let Some(cluster) = self.owner.cluster() else {
-            return Err(Status::failed_precondition("this node is not in a cluster"));
-        };
         let policy = self.owner.policies().current();
-        let accepted =
-            cluster.receive(&r, self.owner.store().limiter(), self.owner.leases(), &policy.policy);
+        let accepted = cluster
+            .receive(&r, self.owner.store().limiter(), self.owner.leases(), &policy.policy)
+            .map_err(Status::permission_denied)?;
         Ok(Response::new(pb::HandoffResponse { accepted }))
     }
 }

@@ -108,6 +108,8 @@ impl Node {
                     ("LIMITER__CLUSTER__PEERS".to_owned(), peers.join(",")),
                     ("LIMITER__CLUSTER__NODE_ID".to_owned(), node.id.clone()),
                     ("LIMITER__CLUSTER__HEALTH_INTERVAL_MS".to_owned(), "100".to_owned()),
+                    // Loopback load-test clusters run without TLS, and say so.
+                    ("LIMITER__CLUSTER__INSECURE_PEERS".to_owned(), "true".to_owned()),
                 ]);
             }
             for (k, v) in env {

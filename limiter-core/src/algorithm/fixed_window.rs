@@ -2,7 +2,7 @@
 
 use std::num::NonZeroU64;
 
-use super::Algorithm;
+use super::{Algorithm, max_charged};
 use crate::clock::Nanos;
 
 /// A fixed window's parameters.
@@ -77,7 +77,7 @@ impl Algorithm for FixedWindow {
         if state.window != index {
             *state = FixedWindowState { window: index, count: 0 };
         }
-        state.count = state.count.saturating_add(cost);
+        state.count = state.count.saturating_add(cost).min(max_charged(self.limit.get()));
     }
 
     fn refund(&self, state: &mut Self::State, now: Nanos, granted_at: Nanos, units: u64) {
@@ -89,6 +89,11 @@ impl Algorithm for FixedWindow {
 
     fn is_idle(&self, state: &Self::State, now: Nanos) -> bool {
         self.count(state, now) == 0
+    }
+
+    fn plausible(&self, state: &Self::State, now: Nanos, skew: Nanos) -> bool {
+        state.window <= self.index(now.saturating_add(skew))
+            && state.count <= max_charged(self.limit.get())
     }
 
     fn grant_hold(&self, now: Nanos, hold: Nanos) -> Nanos {

@@ -15,7 +15,18 @@ pub use sliding_counter::{SlidingCounter, SlidingCounterState};
 pub use sliding_log::{SlidingLog, SlidingLogState};
 pub use token_bucket::{TokenBucket, TokenBucketState};
 
+
 use crate::clock::Nanos;
+
+/// How many allowances beyond its limit a level can owe: a charge (a cost reported
+/// above its estimate) never takes a state further into debt than this, so a wait is
+/// at most this many windows (or refills of a bucket), whatever a caller reports.
+pub const MAX_DEBT_ALLOWANCES: u64 = 10;
+
+/// The most units a level with `capacity` can hold charged at once, debt included.
+pub(crate) fn max_charged(capacity: u64) -> u64 {
+    capacity.saturating_mul(MAX_DEBT_ALLOWANCES + 1)
+}
 
 /// An admission verdict for one limit, before anything is charged.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -62,6 +73,13 @@ pub trait Algorithm {
     /// True when the state is indistinguishable from a fresh one: dropping it loses
     /// nothing.
     fn is_idle(&self, state: &Self::State, now: Nanos) -> bool;
+
+    /// Whether some sequence of this algorithm's operations could have produced
+    /// `state` by `now + skew` (`skew`: how far another node's clock may run ahead):
+    /// no more debt than [`MAX_DEBT_ALLOWANCES`] allowances beyond the limit, no
+    /// window or entry in the future. A state from elsewhere (a handoff) that fails
+    /// this is refused rather than trusted.
+    fn plausible(&self, state: &Self::State, now: Nanos, skew: Nanos) -> bool;
 
     /// Whether `cost` fits now, and what would be left.
     fn check(&self, state: &Self::State, now: Nanos, cost: u64) -> Check {

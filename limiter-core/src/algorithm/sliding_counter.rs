@@ -7,7 +7,7 @@
 
 use std::num::NonZeroU64;
 
-use super::{Algorithm, sat_u64};
+use super::{Algorithm, max_charged, sat_u64};
 use crate::clock::Nanos;
 
 /// A sliding counter's parameters.
@@ -137,7 +137,7 @@ impl Algorithm for SlidingCounter {
         let v = self.view(state, now);
         *state = SlidingCounterState {
             window: v.index,
-            curr: v.curr.saturating_add(cost),
+            curr: v.curr.saturating_add(cost).min(max_charged(self.limit.get())),
             prev: v.prev,
         };
     }
@@ -159,6 +159,13 @@ impl Algorithm for SlidingCounter {
     fn is_idle(&self, state: &Self::State, now: Nanos) -> bool {
         let v = self.view(state, now);
         v.prev == 0 && v.curr == 0
+    }
+
+    fn plausible(&self, state: &Self::State, now: Nanos, skew: Nanos) -> bool {
+        let most = max_charged(self.limit.get());
+        state.window <= now.saturating_add(skew) / self.w()
+            && state.curr <= most
+            && state.prev <= most
     }
 
     fn grant_hold(&self, now: Nanos, hold: Nanos) -> Nanos {

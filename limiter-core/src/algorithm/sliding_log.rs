@@ -14,7 +14,7 @@
 use std::collections::VecDeque;
 use std::num::NonZeroU64;
 
-use super::Algorithm;
+use super::{Algorithm, max_charged};
 use crate::clock::Nanos;
 
 /// A sliding log's parameters.
@@ -145,6 +145,7 @@ impl Algorithm for SlidingLog {
 
     fn charge_at(&self, state: &mut Self::State, now: Nanos, stamp: Nanos, cost: u64) {
         self.evict(state, now);
+        let cost = cost.min(max_charged(self.limit.get()).saturating_sub(state.total));
         if cost == 0 {
             return;
         }
@@ -178,6 +179,22 @@ impl Algorithm for SlidingLog {
 
     fn is_idle(&self, state: &Self::State, now: Nanos) -> bool {
         self.live(state, now).1 == 0
+    }
+
+    fn plausible(&self, state: &Self::State, now: Nanos, skew: Nanos) -> bool {
+        // Lease grants are stamped up to a fortieth of the window ahead.
+        let latest = now.saturating_add(skew).saturating_add(self.window.get() / 40);
+        let cap = usize::try_from(self.limit.get()).unwrap_or(usize::MAX);
+        let mut sum = 0u64;
+        let mut last = 0;
+        for &(t, units) in &state.entries {
+            if units == 0 || t < last || t > latest {
+                return false;
+            }
+            last = t;
+            sum = sum.saturating_add(units);
+        }
+        state.entries.len() <= cap && sum == state.total && sum <= max_charged(self.limit.get())
     }
 }
 

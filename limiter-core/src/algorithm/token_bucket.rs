@@ -6,7 +6,7 @@
 
 use std::num::NonZeroU64;
 
-use super::{Algorithm, div_ceil_u128, div_u128, sat_u64};
+use super::{Algorithm, div_ceil_u128, div_u128, max_charged, sat_u64};
 use crate::clock::Nanos;
 use crate::rate::Rate;
 
@@ -65,6 +65,10 @@ impl TokenBucket {
     fn capacity_scaled(&self) -> u128 {
         u128::from(self.burst.get()) * self.period()
     }
+    /// The deepest a bucket can be spent, debt included (scaled).
+    fn max_used(&self) -> u128 {
+        u128::from(max_charged(self.burst.get())) * self.period()
+    }
     /// Scaled time the bucket's current contents are "spent" ahead of now.
     fn used(&self, state: &TokenBucketState, now: Nanos) -> u128 {
         state.tat().saturating_sub(self.scaled(now))
@@ -100,7 +104,8 @@ impl Algorithm for TokenBucket {
 
     fn charge(&self, state: &mut Self::State, now: Nanos, cost: u64) {
         let base = state.tat().max(self.scaled(now));
-        state.set_tat(base.saturating_add(u128::from(cost) * self.period()));
+        let deepest = self.scaled(now) + self.max_used();
+        state.set_tat(base.saturating_add(u128::from(cost) * self.period()).min(deepest.max(base)));
     }
 
     fn refund(&self, state: &mut Self::State, now: Nanos, _granted_at: Nanos, units: u64) {
@@ -112,6 +117,10 @@ impl Algorithm for TokenBucket {
 
     fn is_idle(&self, state: &Self::State, now: Nanos) -> bool {
         state.tat() <= self.scaled(now)
+    }
+
+    fn plausible(&self, state: &Self::State, now: Nanos, skew: Nanos) -> bool {
+        state.tat() <= self.scaled(now.saturating_add(skew)) + self.max_used()
     }
 }
 

@@ -52,15 +52,29 @@ impl fmt::Display for PolicyError {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct PolicyErrors(pub Vec<PolicyError>);
 
+/// The most mistakes a message lists; the rest are counted.
+pub const MAX_LISTED_ERRORS: usize = 100;
+
 impl fmt::Display for PolicyErrors {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let n = self.0.len();
         write!(f, "{n} mistake{} in the policy", if n == 1 { "" } else { "s" })?;
-        for e in &self.0 {
+        for e in self.0.iter().take(MAX_LISTED_ERRORS) {
             write!(f, "\n  {e}")?;
+        }
+        if n > MAX_LISTED_ERRORS {
+            write!(f, "\n  ... and {} more", n - MAX_LISTED_ERRORS)?;
         }
         Ok(())
     }
+}
+
+/// A dotted field path with every name in it cut to a quotable length.
+fn shorten_field(field: &str) -> String {
+    if field.len() <= crate::text::QUOTE_MAX {
+        return field.to_owned();
+    }
+    field.split('.').map(crate::text::shorten).collect::<Vec<_>>().join(".")
 }
 
 impl std::error::Error for PolicyErrors {}
@@ -89,7 +103,7 @@ pub fn from_yaml(text: &str, file: &str) -> Result<Policy, PolicyErrors> {
             file: file.to_owned(),
             pos: e.pos,
             field: String::new(),
-            message: format!("invalid YAML: {}", e.message),
+            message: crate::text::shorten_message(&format!("invalid YAML: {}", e.message)).into_owned(),
         }])
     })?;
     let mut cx = Cx { file, errors: Vec::new() };
@@ -124,11 +138,12 @@ fn join(path: &str, field: &str) -> String {
 
 impl Cx<'_> {
     fn err(&mut self, pos: Pos, field: &str, message: impl Into<String>) {
+        let message = message.into();
         self.errors.push(PolicyError {
             file: self.file.to_owned(),
             pos,
-            field: field.to_owned(),
-            message: message.into(),
+            field: shorten_field(field),
+            message: crate::text::shorten_message(&message).into_owned(),
         });
     }
 
@@ -352,11 +367,15 @@ impl Cx<'_> {
             Some(n) => match self.string(n, "unknown_tenants") {
                 Some("reject") => UnknownTenants::Reject,
                 Some("use_default") => {
-                    if default_tenant.is_none() && top.get("tenants").is_some() {
+                    let listed = top.get("tenants").is_some_and(|t| {
+                        matches!(&t.value, Value::Map(m) if m.iter().any(|(k, _)| k.text == DEFAULT_TENANT))
+                    });
+                    if !listed {
                         self.err(
                             n.pos,
                             "unknown_tenants",
-                            "`use_default` needs a tenant named `default`",
+                            "`use_default` needs a tenant named `default` under `tenants` \
+                             (without one, every request of an unlisted tenant is rejected)",
                         );
                     }
                     UnknownTenants::UseDefault
@@ -372,6 +391,17 @@ impl Cx<'_> {
                 None => UnknownTenants::Reject,
             },
         };
+        let listed_any =
+            top.get("tenants").is_some_and(|t| matches!(&t.value, Value::Map(m) if !m.is_empty()));
+        if !listed_any && unknown_tenants == UnknownTenants::Reject {
+            let pos = top.get("tenants").or_else(|| top.get("unknown_tenants")).map_or(root.pos, |n| n.pos);
+            self.err(
+                pos,
+                "tenants",
+                "no tenant is listed and unknown tenants are rejected: every request would be \
+                 refused with UNKNOWN_TENANT (list a tenant, or a `default` one)",
+            );
+        }
         let unlisted_route = RouteSpec {
             cost: NonZeroU64::MIN,
             limit: None,

@@ -555,22 +555,53 @@ impl Cluster {
         }
     }
 
+    /// Whether `id` names a node of this cluster: a member of the current ring, or
+    /// one of the configured static peers (which may be out of the ring for a moment).
+    fn knows(&self, id: &str) -> bool {
+        if id == &*self.me.id {
+            return false;
+        }
+        self.ring.load().member(id).is_some()
+            || matches!(&self.config.membership, Membership::Static(peers) if peers.iter().any(|p| p.id == id))
+            || self.left.lock().contains_key(id)
+    }
+
     /// Stores counters handed to this node; returns how many were accepted.
+    /// Counters in a state no algorithm can reach are refused one by one and counted.
+    ///
+    /// # Errors
+    ///
+    /// A sender that is not a node of this cluster (nothing is stored).
     pub fn receive(
         &self,
         req: &pb::HandoffRequest,
         limiter: Option<&Limiter>,
         leases: &Leases,
         policy: &Policy,
-    ) -> u64 {
+    ) -> Result<u64, String> {
+        if !self.knows(&req.from) {
+            metrics::counter!(m::HANDOFF_REFUSED, "reason" => "sender").increment(1);
+            tracing::warn!(node = %self.me.id, from = %limiter_core::text::shorten(&req.from), "handoff from a node not in this cluster refused");
+            return Err(format!(
+                "handoff refused: `{}` is not a node of this cluster",
+                limiter_core::text::shorten(&req.from)
+            ));
+        }
         let now = self.clock.now();
         let mut accepted = 0;
+        let mut refused = 0;
         if let Some(limiter) = limiter {
             for c in &req.counters {
-                if store_counter(limiter, policy, c, now) {
-                    accepted += 1;
+                match store_counter(limiter, policy, c, now) {
+                    Stored::Yes => accepted += 1,
+                    Stored::Implausible => refused += 1,
+                    Stored::NoSuchLevel => {}
                 }
             }
+        }
+        if refused > 0 {
+            metrics::counter!(m::HANDOFF_REFUSED, "reason" => "state").increment(refused);
+            tracing::warn!(node = %self.me.id, from = %req.from, refused, "handed-off counters in states no algorithm can reach were refused");
         }
         let adopted = leases.adopt(&req.leases);
         metrics::counter!(m::HANDOFF_COUNTERS, "direction" => "received").increment(accepted);
@@ -581,7 +612,7 @@ impl Cluster {
             self.left.lock().insert(req.from.as_str().into(), now);
         }
         tracing::info!(node = %self.me.id, from = %req.from, counters = accepted, leases = adopted, leaving = req.leaving, "handoff received");
-        accepted
+        Ok(accepted)
     }
 
     /// The topology answer for `tenants`.
@@ -610,11 +641,25 @@ impl Cluster {
     }
 }
 
-/// Stores one handed-off counter under this node's limit for it; false when the
-/// policy has no such level here or the state does not fit it.
-fn store_counter(limiter: &Limiter, policy: &Policy, c: &pb::CounterState, now: Nanos) -> bool {
-    let Some(scope) = convert::scope_from(c.scope) else { return false };
-    let Ok(state) = serde_json::from_slice::<LimitState>(&c.state) else { return false };
+/// How far another node's clock may run ahead of this one's for a handed-off state
+/// to still count as plausible.
+const HANDOFF_SKEW: Nanos = 5 * limiter_core::clock::NANOS_PER_SEC;
+
+/// What became of one handed-off counter.
+enum Stored {
+    Yes,
+    /// The policy has no such level here (it changed, or the sender's differs).
+    NoSuchLevel,
+    /// A state no algorithm can reach under this node's limit for it.
+    Implausible,
+}
+
+/// Stores one handed-off counter under this node's limit for it.
+fn store_counter(limiter: &Limiter, policy: &Policy, c: &pb::CounterState, now: Nanos) -> Stored {
+    let Some(scope) = convert::scope_from(c.scope) else { return Stored::NoSuchLevel };
+    let Ok(state) = serde_json::from_slice::<LimitState>(&c.state) else {
+        return Stored::Implausible;
+    };
     // Root counters do not depend on the tenant; any valid name resolves them.
     let tenant = if c.tenant.is_empty() { "-" } else { &c.tenant };
     let route = if c.route.is_empty() { "-" } else { &c.route };
@@ -626,14 +671,14 @@ fn store_counter(limiter: &Limiter, policy: &Policy, c: &pb::CounterState, now: 
         dry_run: true,
     };
     let Ok(chain) = policy.resolve(&req, &limiter_core::policy::NameBounds::default()) else {
-        return false;
+        return Stored::NoSuchLevel;
     };
-    let Some(level) = chain.levels().find(|l| l.scope == scope) else { return false };
-    if let LimitState::SlidingLog(log) = &state
-        && u64::try_from(log.len()).unwrap_or(u64::MAX) > level.rule.limit.capacity()
-    {
-        return false;
+    let Some(level) = chain.levels().find(|l| l.scope == scope) else {
+        return Stored::NoSuchLevel;
+    };
+    if !level.rule.limit.plausible(&state, now, HANDOFF_SKEW) {
+        return Stored::Implausible;
     }
     limiter.table().put(level.key, &level.rule.limit, state, now);
-    true
+    Stored::Yes
 }

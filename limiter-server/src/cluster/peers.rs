@@ -38,14 +38,25 @@ pub struct Peer {
     timeout: Duration,
 }
 
-/// The hop of a call that arrived (0: from a client).
-pub fn hop_of<T>(request: &Request<T>) -> u8 {
-    request
-        .metadata()
-        .get(FORWARDED)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(0)
+
+/// The hop of a call that arrived, refused when it claims to come from another node
+/// but this node has none (alone, a node has no reason to accept a peer's call: the
+/// metadata is a header any client can send).
+///
+/// # Errors
+///
+/// `PERMISSION_DENIED` for a forwarded call on a node alone; `INVALID_ARGUMENT` for a
+/// hop that is not a small number.
+pub fn checked_hop<T>(request: &Request<T>, clustered: bool) -> Result<u8, Status> {
+    let Some(value) = request.metadata().get(FORWARDED) else { return Ok(0) };
+    if !clustered {
+        return Err(Status::permission_denied(format!(
+            "{FORWARDED}: this node is not in a cluster and accepts no calls from peers"
+        )));
+    }
+    value.to_str().ok().and_then(|v| v.parse().ok()).ok_or_else(|| {
+        Status::invalid_argument(format!("{FORWARDED}: expected a hop count (1 or 2)"))
+    })
 }
 
 fn with_hop<T>(message: T, hop: u8, timeout: Duration) -> Request<T> {

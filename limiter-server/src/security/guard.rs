@@ -16,6 +16,7 @@ use rustls::pki_types::{CertificateDer, ServerName};
 use tonic::transport::server::{TcpConnectInfo, TlsConnectInfo};
 
 use crate::cluster::peers::FORWARDED;
+use crate::listener::ConnInfo;
 use crate::metrics as m;
 
 /// What an identity may do.
@@ -302,7 +303,7 @@ impl Guard {
             AuthMode::Mtls { .. } => {
                 let certs = req
                     .extensions()
-                    .get::<TlsConnectInfo<TcpConnectInfo>>()
+                    .get::<TlsConnectInfo<ConnInfo<TcpConnectInfo>>>()
                     .and_then(TlsConnectInfo::peer_certs)
                     .filter(|c| !c.is_empty())
                     .ok_or(Refusal::NoCredentials)?;

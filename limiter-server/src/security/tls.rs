@@ -2,8 +2,6 @@
 //! (new connections get the new certificate; open connections keep theirs and are
 //! not dropped), and handshakes done off the accept loop, bounded in number and time.
 
-use std::io;
-use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
@@ -18,9 +16,8 @@ use tokio::net::TcpStream;
 use tokio::sync::{Semaphore, mpsc};
 use tokio_rustls::TlsAcceptor;
 use tokio_rustls::server::TlsStream;
-use tokio_stream::StreamExt;
-use tonic::transport::server::TcpIncoming;
 
+use crate::listener::Conn;
 use crate::metrics as m;
 
 /// A handshake not finished in this long is dropped.
@@ -196,40 +193,32 @@ fn build(
     Ok(config)
 }
 
-/// Accepts connections on `incoming` and hands over those whose TLS handshake
-/// succeeded, in the order they finish. The accept loop stops when the receiver is
-/// dropped.
-pub fn accept(
-    incoming: TcpIncoming,
-    tls: Arc<TlsState>,
-) -> mpsc::Receiver<(TlsStream<TcpStream>, SocketAddr)> {
+/// A connection counted by its listener, under TLS.
+pub type TlsConn = TlsStream<Conn<TcpStream>>;
+
+/// Takes the connections of `incoming` through their TLS handshake and hands over
+/// those that succeed, in the order they finish. Stops when the receiver is dropped.
+pub fn accept(mut incoming: mpsc::Receiver<Conn<TcpStream>>, tls: Arc<TlsState>) -> mpsc::Receiver<TlsConn> {
     let (tx, rx) = mpsc::channel(64);
     tokio::spawn(async move {
-        let mut incoming = std::pin::pin!(incoming);
         let slots = Arc::new(Semaphore::new(MAX_HANDSHAKES));
         loop {
             let Ok(slot) = slots.clone().acquire_owned().await else { return };
             let tcp = tokio::select! {
                 () = tx.closed() => return,
-                next = incoming.next() => match next {
-                    Some(Ok(tcp)) => tcp,
-                    Some(Err(e)) => {
-                        tracing::warn!(listener = tls.listener, "accept failed: {e}");
-                        // Out of descriptors and the like: do not spin.
-                        tokio::time::sleep(Duration::from_millis(20)).await;
-                        continue;
-                    }
+                next = incoming.recv() => match next {
+                    Some(tcp) => tcp,
                     None => return,
                 },
             };
             let (tx, tls) = (tx.clone(), tls.clone());
             tokio::spawn(async move {
-                let peer = tcp.peer_addr().unwrap_or_else(|_| ([0, 0, 0, 0], 0).into());
+                let peer = tcp.get_ref().peer_addr().unwrap_or_else(|_| ([0, 0, 0, 0], 0).into());
                 let acceptor = tls.acceptor();
                 match tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(tcp)).await {
                     Ok(Ok(stream)) => {
                         drop(slot);
-                        let _ = tx.send((stream, peer)).await;
+                        let _ = tx.send(stream).await;
                     }
                     Ok(Err(e)) => {
                         metrics::counter!(m::TLS_HANDSHAKE_FAILURES, "listener" => tls.listener, "kind" => "refused").increment(1);
@@ -244,41 +233,4 @@ pub fn accept(
         }
     });
     rx
-}
-
-/// The TLS connections of [`accept`] as a stream for tonic.
-pub fn grpc_incoming(
-    rx: mpsc::Receiver<(TlsStream<TcpStream>, SocketAddr)>,
-) -> impl tokio_stream::Stream<Item = io::Result<TlsStream<TcpStream>>> {
-    tokio_stream::wrappers::ReceiverStream::new(rx).map(|(s, _)| Ok(s))
-}
-
-/// The TLS connections of [`accept`] as a listener for axum.
-pub struct AdminListener {
-    rx: mpsc::Receiver<(TlsStream<TcpStream>, SocketAddr)>,
-    local: SocketAddr,
-}
-
-impl AdminListener {
-    /// Connections from `rx`, reported as accepted on `local`.
-    pub fn new(rx: mpsc::Receiver<(TlsStream<TcpStream>, SocketAddr)>, local: SocketAddr) -> Self {
-        Self { rx, local }
-    }
-}
-
-impl axum::serve::Listener for AdminListener {
-    type Io = TlsStream<TcpStream>;
-    type Addr = SocketAddr;
-
-    async fn accept(&mut self) -> (Self::Io, Self::Addr) {
-        match self.rx.recv().await {
-            Some(c) => c,
-            // The accept loop only stops when this receiver is dropped.
-            None => std::future::pending().await,
-        }
-    }
-
-    fn local_addr(&self) -> io::Result<Self::Addr> {
-        Ok(self.local)
-    }
 }

@@ -43,6 +43,8 @@ impl Node {
             ("LIMITER__CLUSTER__NODE_ID".to_owned(), self.id.clone()),
             ("LIMITER__CLUSTER__HEALTH_INTERVAL_MS".to_owned(), "100".to_owned()),
             ("LIMITER__LIMITS__MAX_BATCH".to_owned(), "10000".to_owned()),
+            // Loopback test clusters without TLS say so explicitly.
+            ("LIMITER__CLUSTER__INSECURE_PEERS".to_owned(), "true".to_owned()),
         ];
         for (k, v) in extra {
             env.retain(|(x, _)| x != k);

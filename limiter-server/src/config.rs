@@ -31,6 +31,13 @@ struct Raw {
     shutdown: RawShutdown,
     cluster: RawCluster,
     security: crate::security::RawSecurity,
+    dashboard: RawDashboard,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawDashboard {
+    show_keys: bool,
 }
 
 #[derive(Debug, Deserialize)]
@@ -168,6 +175,8 @@ envoy:
   tenant_from: domain
   tenant_key: tenant
   route_key: route
+dashboard:
+  show_keys: false
 reload:
   poll_interval_ms: 1000
   settle_ms: 500
@@ -303,6 +312,8 @@ pub struct ServerConfig {
     pub reload_poll: Duration,
     /// How long the policy file must be still before a change is loaded.
     pub reload_settle: Duration,
+    /// Whether the status page shows keys as sent (default: a short keyed hash).
+    pub show_keys: bool,
     /// After SIGTERM: readiness is false for this long before the listener closes.
     pub drain_delay: Duration,
     /// Then in-flight calls get this long to finish.
@@ -720,13 +731,22 @@ impl TryFrom<Raw> for ServerConfig {
                 i64::try_from(limiter_core::policy::load::SLIDING_LOG_MAX_LIMIT)
                     .unwrap_or(i64::MAX),
             ) as u64,
-            max_connections: count_or_zero(&mut errors, "limits.max_connections", l.max_connections),
+            max_connections: count_or_zero(
+                &mut errors,
+                "limits.max_connections",
+                l.max_connections,
+            ),
             max_admin_connections: count_or_zero(
                 &mut errors,
                 "limits.max_admin_connections",
                 l.max_admin_connections,
             ),
-            header_timeout: millis(&mut errors, "limits.header_timeout_ms", l.header_timeout_ms, false),
+            header_timeout: millis(
+                &mut errors,
+                "limits.header_timeout_ms",
+                l.header_timeout_ms,
+                false,
+            ),
             idle_timeout: millis(&mut errors, "limits.idle_timeout_ms", l.idle_timeout_ms, false),
             admin_idle_timeout: millis(
                 &mut errors,
@@ -799,6 +819,7 @@ impl TryFrom<Raw> for ServerConfig {
             },
             reload_poll,
             reload_settle,
+            show_keys: raw.dashboard.show_keys,
             drain_delay,
             grace,
             cluster,

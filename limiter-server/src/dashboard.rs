@@ -166,6 +166,7 @@ pub fn data(owner: &Owner, history: &History, members: &[String]) -> Value {
             "reloads_ok": status.reloads,
             "reloads_failed": status.failures,
             "last_error": status.last_error,
+            "last_failure_at": status.last_failure_at.map(|t| t / NANOS_PER_SEC),
         },
         "totals": { "allowed": t.allowed, "rejected": t.rejected, "shadow_rejected": t.shadow_rejected },
         "by_reason": t.by_reason,

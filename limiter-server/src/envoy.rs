@@ -18,8 +18,8 @@ use std::sync::Arc;
 
 use limiter_core::clock::{NANOS_PER_SEC, Nanos};
 use limiter_core::policy::{NameBounds, Request};
-use limiter_core::{RequestError, Verdict};
 use limiter_core::{Decision, Limit, Scope, headers};
+use limiter_core::{RequestError, Verdict};
 use limiter_proto::envoy::config::core::v3::HeaderValue;
 use limiter_proto::envoy::extensions::common::ratelimit::v3::RateLimitDescriptor;
 use limiter_proto::envoy::service::ratelimit::v3 as rls;
@@ -299,12 +299,7 @@ struct Refused {
 /// The over-limit answer for request `i` of `core`, when deciding it failed in a way
 /// its caller chose (a cost above a level's capacity, a new key beyond the tenant's
 /// cap); `None` for any other error.
-fn refused(
-    owner: &Owner,
-    core: &[Request<'_>],
-    i: usize,
-    e: &ServerError,
-) -> Option<Refused> {
+fn refused(owner: &Owner, core: &[Request<'_>], i: usize, e: &ServerError) -> Option<Refused> {
     let req = core.get(i)?;
     let active = owner.policies().current();
     let probe = Request { cost: Some(1), dry_run: true, ..*req };
@@ -314,7 +309,7 @@ fn refused(
             (*scope, limiter_core::text::shorten(&e.to_string()).into_owned())
         }
         ServerError::Exhausted(why) => {
-            (Scope::Key, limiter_core::text::shorten(why).into_owned())
+            (Scope::Key, limiter_core::text::shorten_message(why).into_owned())
         }
         _ => return None,
     };
@@ -442,7 +437,9 @@ impl EnvoyService {
                 .iter()
                 .enumerate()
                 .filter(|(j, _)| refusals.iter().all(|r| r.index != *j))
-                .map(|(j, r)| (j, Request { dry_run: true, cost: Some(r.cost.unwrap_or(1).max(1)), ..*r }))
+                .map(|(j, r)| {
+                    (j, Request { dry_run: true, cost: Some(r.cost.unwrap_or(1).max(1)), ..*r })
+                })
                 .collect();
             let checks: Vec<Request<'_>> = rest.iter().map(|(_, r)| *r).collect();
             match self.owner.decide_with(Api::Envoy, &checks, false, false, unreachable).await {

@@ -89,6 +89,20 @@ pub struct HeavyHitters {
     tenants_admitted: Mutex<SpaceSaving>,
     keys_rejected: Mutex<SpaceSaving>,
     keys_admitted: Mutex<SpaceSaving>,
+    /// How keys are kept: as written, or as a short keyed hash (the default: an API
+    /// key is a secret, and the status page is open to whoever reaches the port).
+    keys: KeyDisplay,
+}
+
+/// How the heavy hitters keep keys.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum KeyDisplay {
+    /// `tenant/#` and 12 hex digits of a keyed hash (the key drawn at start): keys
+    /// can be told apart, not read.
+    #[default]
+    Hashed,
+    /// `tenant/key` as sent (`dashboard.show_keys: true`).
+    Shown,
 }
 
 impl Default for HeavyHitters {
@@ -105,7 +119,20 @@ impl HeavyHitters {
             tenants_admitted: Mutex::new(SpaceSaving::new(k)),
             keys_rejected: Mutex::new(SpaceSaving::new(k)),
             keys_admitted: Mutex::new(SpaceSaving::new(k)),
+            keys: KeyDisplay::Hashed,
         }
+    }
+
+    /// With keys kept as `display` says.
+    #[must_use]
+    pub fn with_keys(mut self, display: KeyDisplay) -> Self {
+        self.keys = display;
+        self
+    }
+
+    fn secret() -> &'static std::hash::RandomState {
+        static SECRET: std::sync::OnceLock<std::hash::RandomState> = std::sync::OnceLock::new();
+        SECRET.get_or_init(std::hash::RandomState::new)
     }
 
     /// Counts one decision.
@@ -126,7 +153,14 @@ impl HeavyHitters {
                 pair.clear();
                 pair.push_str(tenant);
                 pair.push('/');
-                pair.push_str(k);
+                match self.keys {
+                    KeyDisplay::Shown => pair.push_str(k),
+                    KeyDisplay::Hashed => {
+                        use std::fmt::Write as _;
+                        let h = std::hash::BuildHasher::hash_one(Self::secret(), k);
+                        let _ = write!(pair, "#{:012x}", h >> 16);
+                    }
+                }
                 keys.lock().add(pair, weight);
             });
         }

@@ -35,9 +35,9 @@ use limiter_core::clock::{Clock, MonotonicClock, Nanos};
 use limiter_proto::envoy::service::ratelimit::v3::rate_limit_service_server::RateLimitServiceServer;
 use limiter_proto::limiter::v1::rate_limiter_server::RateLimiterServer;
 use tokio::net::TcpListener;
+use tokio_stream::StreamExt as _;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
-use tokio_stream::StreamExt as _;
 
 use crate::cluster::Cluster;
 use crate::config::{ServerConfig, StoreKind};
@@ -202,8 +202,17 @@ impl Server {
             clock.clone(),
             longest_ttl,
         ));
-        let owner =
-            Arc::new(Owner::new(policies, store, clock, config.limits).with_cluster(cluster));
+        let keys = if config.show_keys {
+            tracing::warn!("dashboard.show_keys is set: the status page shows keys as sent");
+            heavy::KeyDisplay::Shown
+        } else {
+            heavy::KeyDisplay::Hashed
+        };
+        let owner = Arc::new(
+            Owner::new(policies, store, clock, config.limits)
+                .with_cluster(cluster)
+                .with_key_display(keys),
+        );
         Ok(Self { config, owner, security })
     }
 
@@ -289,14 +298,16 @@ impl Server {
         let stopped = grpc_stop.clone().cancelled_owned();
         let grpc = match &security.grpc_tls {
             None => {
-                let incoming = tokio_stream::wrappers::ReceiverStream::new(conns)
-                    .map(Ok::<_, std::io::Error>);
+                let incoming =
+                    tokio_stream::wrappers::ReceiverStream::new(conns).map(Ok::<_, std::io::Error>);
                 tokio::spawn(router.serve_with_incoming_shutdown(incoming, stopped))
             }
             Some(tls) => {
-                let incoming =
-                    tokio_stream::wrappers::ReceiverStream::new(security::tls::accept(conns, tls.clone()))
-                        .map(Ok::<_, std::io::Error>);
+                let incoming = tokio_stream::wrappers::ReceiverStream::new(security::tls::accept(
+                    conns,
+                    tls.clone(),
+                ))
+                .map(Ok::<_, std::io::Error>);
                 tokio::spawn(router.serve_with_incoming_shutdown(incoming, stopped))
             }
         };
@@ -319,10 +330,17 @@ impl Server {
         }
         let app = admin::router(owner.clone(), history, members)
             .layer(security::guard::GuardLayer(security.admin_guard.clone()));
-        let admin_conns = listener::accept(listeners.admin, "admin", admin_limits, admin_stop.clone());
+        let admin_conns =
+            listener::accept(listeners.admin, "admin", admin_limits, admin_stop.clone());
         let (header, grace) = (admin_limits.header_timeout, config.grace);
         let admin = match &security.admin_tls {
-            None => tokio::spawn(listener::serve_http1(admin_conns, app, header, admin_stop.clone(), grace)),
+            None => tokio::spawn(listener::serve_http1(
+                admin_conns,
+                app,
+                header,
+                admin_stop.clone(),
+                grace,
+            )),
             Some(tls) => tokio::spawn(listener::serve_http1(
                 security::tls::accept(admin_conns, tls.clone()),
                 app,

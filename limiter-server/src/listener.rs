@@ -14,8 +14,10 @@
 use std::io;
 use std::pin::Pin;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
-use std::task::{Context, Poll};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::task::{Context, Poll, Waker};
+
+use parking_lot::Mutex;
 use std::time::Duration;
 
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
@@ -45,23 +47,46 @@ pub struct Activity {
     requests: AtomicU64,
     /// Milliseconds after `opened` when the last request ended.
     last_ms: AtomicU64,
+    /// Its place under the listener's cap; taken by a newer connection when this one
+    /// has sent no request yet and the listener is full.
+    slot: Mutex<Option<OwnedSemaphorePermit>>,
+    evicted: AtomicBool,
+    /// The connection's task, while it has sent no request (so eviction can wake it).
+    waker: Mutex<Option<Waker>>,
 }
 
 impl Activity {
-    fn new() -> Self {
+    fn new(slot: OwnedSemaphorePermit) -> Self {
         Self {
             opened: Instant::now(),
             in_flight: AtomicUsize::new(0),
             requests: AtomicU64::new(0),
             last_ms: AtomicU64::new(0),
+            slot: Mutex::new(Some(slot)),
+            evicted: AtomicBool::new(false),
+            waker: Mutex::new(None),
         }
+    }
+
+    /// Takes this connection's slot if it has sent no request yet; it then closes.
+    fn evict(&self) -> Option<OwnedSemaphorePermit> {
+        if self.requests.load(Ordering::Acquire) > 0 {
+            return None;
+        }
+        let slot = self.slot.lock().take()?;
+        self.evicted.store(true, Ordering::Release);
+        if let Some(w) = self.waker.lock().take() {
+            w.wake();
+        }
+        Some(slot)
     }
 
     /// A request started; the returned guard ends it.
     pub fn begin(self: &Arc<Self>) -> Busy {
         // Relaxed: counters read only by this connection's watchdog, which re-checks.
         self.in_flight.fetch_add(1, Ordering::Relaxed);
-        self.requests.fetch_add(1, Ordering::Relaxed);
+        // Release: an eviction that sees a request leaves the connection alone.
+        self.requests.fetch_add(1, Ordering::Release);
         Busy(self.clone())
     }
 
@@ -100,7 +125,6 @@ pub struct Conn<IO> {
     limits: ConnectionLimits,
     listener: &'static str,
     expired: bool,
-    _slot: OwnedSemaphorePermit,
 }
 
 impl<IO> Conn<IO> {
@@ -118,6 +142,17 @@ impl<IO> Conn<IO> {
     fn expired(&mut self, cx: &mut Context<'_>) -> bool {
         if self.expired {
             return true;
+        }
+        let a = &self.activity;
+        if a.requests.load(Ordering::Acquire) == 0 {
+            if a.evicted.load(Ordering::Acquire) {
+                metrics::counter!(m::CONNECTION_TIMEOUTS, "listener" => self.listener, "kind" => "evicted")
+                    .increment(1);
+                self.expired = true;
+                return true;
+            }
+            // Until its first request, an eviction must be able to wake this task.
+            *a.waker.lock() = Some(cx.waker().clone());
         }
         while self.timer.as_mut().poll(cx).is_ready() {
             let a = &self.activity;
@@ -241,15 +276,16 @@ pub async fn serve_http1<IO>(
         };
         let activity = io.activity();
         let app = app.clone();
-        let service = hyper::service::service_fn(move |req: http::Request<hyper::body::Incoming>| {
-            let busy = activity.begin();
-            let app = app.clone();
-            async move {
-                let answer = app.oneshot(req.map(axum::body::Body::new)).await;
-                drop(busy);
-                answer
-            }
-        });
+        let service =
+            hyper::service::service_fn(move |req: http::Request<hyper::body::Incoming>| {
+                let busy = activity.begin();
+                let app = app.clone();
+                async move {
+                    let answer = app.oneshot(req.map(axum::body::Body::new)).await;
+                    drop(busy);
+                    answer
+                }
+            });
         let conn = hyper::server::conn::http1::Builder::new()
             .timer(hyper_util::rt::TokioTimer::new())
             .header_read_timeout(header_timeout)
@@ -277,6 +313,9 @@ pub fn accept(
     let slots = Arc::new(Semaphore::new(limits.max.max(1)));
     metrics::gauge!(m::CONNECTIONS_MAX, "listener" => name).set(limits.max as f64);
     tokio::spawn(async move {
+        // Connections in accept order that may not have sent a request yet.
+        let mut waiting: std::collections::VecDeque<std::sync::Weak<Activity>> =
+            std::collections::VecDeque::new();
         loop {
             let accepted = tokio::select! {
                 () = stop.cancelled() => return,
@@ -292,31 +331,53 @@ pub fn accept(
                     continue;
                 }
             };
-            let Ok(slot) = slots.clone().try_acquire_owned() else {
+            let slot = match slots.clone().try_acquire_owned() {
+                Ok(slot) => Some(slot),
+                // Full: the oldest connection that has not sent a request yet gives
+                // its place up (an idle flood churns itself; callers that ask at
+                // once are served).
+                Err(_) => evict_oldest(&mut waiting),
+            };
+            let Some(slot) = slot else {
                 metrics::counter!(m::CONNECTIONS_REFUSED, "listener" => name).increment(1);
-                tracing::debug!(listener = name, max = limits.max, "connection refused: at the cap");
+                tracing::debug!(
+                    listener = name,
+                    max = limits.max,
+                    "connection refused: at the cap"
+                );
                 drop(tcp);
                 continue;
             };
             // No Nagle: a decision is a small message that must leave at once.
             let _ = tcp.set_nodelay(true);
-            let activity = Arc::new(Activity::new());
+            let activity = Arc::new(Activity::new(slot));
+            if waiting.len() >= 2 * limits.max.max(1) {
+                waiting.retain(|w| {
+                    w.upgrade().is_some_and(|a| a.requests.load(Ordering::Relaxed) == 0)
+                });
+            }
+            waiting.push_back(Arc::downgrade(&activity));
             let timer = Box::pin(tokio::time::sleep(limits.header_timeout));
-            let conn = Conn {
-                io: tcp,
-                activity,
-                timer,
-                limits,
-                listener: name,
-                expired: false,
-                _slot: slot,
-            };
+            let conn = Conn { io: tcp, activity, timer, limits, listener: name, expired: false };
             if tx.send(conn).await.is_err() {
                 return;
             }
         }
     });
     rx
+}
+
+/// Takes the slot of the oldest live connection in `waiting` that has sent no
+/// request yet.
+fn evict_oldest(
+    waiting: &mut std::collections::VecDeque<std::sync::Weak<Activity>>,
+) -> Option<OwnedSemaphorePermit> {
+    while let Some(w) = waiting.pop_front() {
+        if let Some(slot) = w.upgrade().and_then(|a| a.evict()) {
+            return Some(slot);
+        }
+    }
+    None
 }
 
 /// A tower layer that marks a connection busy while a request is in flight.
@@ -476,23 +537,27 @@ mod tests {
         assert!(grpc >= 12 && admin >= 4);
     }
 
-    #[tokio::test(start_paused = true)]
+    #[tokio::test]
     async fn a_silent_connection_times_out_and_a_busy_one_does_not() {
         use tokio::io::AsyncReadExt as _;
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
         let limits = ConnectionLimits {
             max: 1,
-            header_timeout: Duration::from_secs(2),
-            idle_timeout: Duration::from_secs(5),
+            header_timeout: Duration::from_millis(200),
+            idle_timeout: Duration::from_millis(400),
         };
         let mut rx = accept(listener, "test", limits, CancellationToken::new());
         let _client = TcpStream::connect(addr).await.unwrap();
         let mut conn = rx.recv().await.unwrap();
         // A request in flight keeps it open past both timeouts.
         let busy = conn.activity().begin();
+        // The cap is one, and the connection has asked: a second one is closed at once.
+        let mut second = TcpStream::connect(addr).await.unwrap();
         let mut buf = [0; 8];
-        let read = tokio::time::timeout(Duration::from_secs(10), conn.read(&mut buf)).await;
+        let closed = tokio::time::timeout(Duration::from_secs(5), second.read(&mut buf)).await;
+        assert!(matches!(closed, Ok(Ok(0)) | Ok(Err(_))), "{closed:?}");
+        let read = tokio::time::timeout(Duration::from_millis(900), conn.read(&mut buf)).await;
         assert!(read.is_err(), "still open while busy");
         drop(busy);
         // Idle from now: closed after the idle timeout, not before.
@@ -500,6 +565,51 @@ mod tests {
         let err = conn.read(&mut buf).await.unwrap_err();
         assert_eq!(err.kind(), io::ErrorKind::TimedOut);
         let waited = started.elapsed();
-        assert!(waited >= Duration::from_secs(4) && waited <= Duration::from_secs(6), "{waited:?}");
+        assert!(waited >= Duration::from_millis(350), "{waited:?}");
+        assert!(waited <= Duration::from_millis(1500), "{waited:?}");
+    }
+
+    #[tokio::test]
+    async fn a_connection_that_never_asks_is_closed_after_the_header_timeout() {
+        use tokio::io::AsyncReadExt as _;
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let limits = ConnectionLimits {
+            max: 4,
+            header_timeout: Duration::from_millis(150),
+            idle_timeout: Duration::from_secs(60),
+        };
+        let mut rx = accept(listener, "test", limits, CancellationToken::new());
+        let _client = TcpStream::connect(addr).await.unwrap();
+        let mut conn = rx.recv().await.unwrap();
+        let started = Instant::now();
+        let mut buf = [0; 8];
+        let err = conn.read(&mut buf).await.unwrap_err();
+        assert_eq!(err.kind(), io::ErrorKind::TimedOut);
+        assert!(started.elapsed() < Duration::from_secs(2));
+    }
+
+    #[tokio::test]
+    async fn at_the_cap_a_new_connection_takes_the_place_of_one_that_never_asked() {
+        use tokio::io::AsyncReadExt as _;
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let limits = ConnectionLimits {
+            max: 1,
+            header_timeout: Duration::from_secs(60),
+            idle_timeout: Duration::from_secs(60),
+        };
+        let mut rx = accept(listener, "test", limits, CancellationToken::new());
+        let _idle = TcpStream::connect(addr).await.unwrap();
+        let mut first = rx.recv().await.unwrap();
+        let reader = tokio::spawn(async move {
+            let mut buf = [0; 8];
+            first.read(&mut buf).await.map_err(|e| e.kind())
+        });
+        let _asks = TcpStream::connect(addr).await.unwrap();
+        let second = rx.recv().await.unwrap();
+        let evicted = tokio::time::timeout(Duration::from_secs(5), reader).await.unwrap().unwrap();
+        assert_eq!(evicted, Err(io::ErrorKind::TimedOut), "the silent one was closed");
+        drop(second);
     }
 }

@@ -128,7 +128,9 @@ pub fn handle() -> &'static PrometheusHandle {
         for result in ["ok", "failed"] {
             metrics::counter!(POLICY_RELOADS, "result" => result).increment(0);
         }
-        metrics::counter!(STORE_ERRORS, "kind" => "unavailable").increment(0);
+        for kind in ["error", "timeout", "breaker_open"] {
+            metrics::counter!(STORE_ERRORS, "kind" => kind).increment(0);
+        }
         metrics::gauge!(STORE_BREAKER_OPEN).set(0.0);
         metrics::gauge!(FALLBACK_ROUTES).set(0.0);
         // A single node with a static view of itself until membership is configured.

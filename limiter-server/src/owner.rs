@@ -182,6 +182,13 @@ impl Owner {
         }
     }
 
+    /// With the status page's heavy hitters keeping keys as `display` says.
+    #[must_use]
+    pub fn with_key_display(mut self, display: crate::heavy::KeyDisplay) -> Self {
+        self.heavy = HeavyHitters::default().with_keys(display);
+        self
+    }
+
     /// With a cluster of nodes sharing the tenants.
     #[must_use]
     pub fn with_cluster(mut self, cluster: Arc<Cluster>) -> Self {

@@ -124,6 +124,9 @@ pub struct PolicyHolder {
     status: Mutex<ReloadStatus>,
     /// The digest of the last text refused (logged and counted once).
     refused: Mutex<Option<u64>>,
+    /// The file's metadata just before its first load (a change made before the
+    /// watch starts is still seen).
+    loaded_stat: Option<Stat>,
     clock: Arc<dyn Clock>,
     check: Check,
 }
@@ -202,6 +205,7 @@ impl PolicyHolder {
         clock: Arc<dyn Clock>,
         check: Check,
     ) -> Result<Self, LoadError> {
+        let loaded_stat = stat(path);
         let (policy, digest) = read_policy(path)?;
         check(&policy).map_err(|message| LoadError::Unsupported {
             path: path.display().to_string(),
@@ -214,6 +218,7 @@ impl PolicyHolder {
             current: ArcSwap::from_pointee(active),
             status: Mutex::default(),
             refused: Mutex::default(),
+            loaded_stat,
             clock,
             check,
         })
@@ -248,7 +253,9 @@ impl PolicyHolder {
         let (text, again) = match read {
             Ok(Ok(texts)) => texts,
             Ok(Err(e)) => return self.failed(e.to_string(), None),
-            Err(e) => return self.failed(format!("{}: cannot read: {e}", self.path.display()), None),
+            Err(e) => {
+                return self.failed(format!("{}: cannot read: {e}", self.path.display()), None);
+            }
         };
         let d = digest(&text);
         if d != digest(&again) {
@@ -450,7 +457,7 @@ pub async fn watch(
     let mut tick = tokio::time::interval(poll);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let path = holder.path().to_path_buf();
-    let mut seen = stat(&path);
+    let mut seen = holder.loaded_stat.clone();
     loop {
         tokio::select! {
             () = cancel.cancelled() => return,

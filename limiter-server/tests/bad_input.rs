@@ -99,7 +99,7 @@ async fn a_tenant_cannot_hold_more_keys_than_its_cap_and_others_go_on() {
     assert!(c.should_allow(ask("flood", "/r")).await.unwrap().into_inner().allowed);
     assert!(c.should_allow(ask_key("quiet", "/r", "k5")).await.unwrap().into_inner().allowed);
 
-    // Envoy: the same refusal.
+    // Envoy: the same refusal, as an answer (an error would be a free pass to Envoy).
     let mut envoy = s.envoy().await;
     let descriptor =
         |user: &str| limiter_proto::envoy::extensions::common::ratelimit::v3::RateLimitDescriptor {
@@ -121,8 +121,14 @@ async fn a_tenant_cannot_hold_more_keys_than_its_cap_and_others_go_on() {
         hits_addend: 1,
     };
     // `user=u0`..: new keys of a tenant already at its cap.
-    let e = envoy.should_rate_limit(req("u0")).await.unwrap_err();
-    assert_eq!(e.code(), Code::ResourceExhausted, "{e:?}");
+    let r = envoy.should_rate_limit(req("u0")).await.unwrap().into_inner();
+    use limiter_proto::envoy::service::ratelimit::v3::rate_limit_response::Code as Envoy;
+    assert_eq!(r.overall_code(), Envoy::OverLimit, "{r:?}");
+    let detail = r.response_headers_to_add.iter().find(|h| h.key == "x-ratelimit-detail");
+    assert!(
+        detail.is_some_and(|h| h.value.contains("`flood` already holds 5 distinct keys")),
+        "{r:?}"
+    );
 
     // Leases: the new key's item is refused, the other items of the call are served.
     let item = |tenant: &str, key: &str| pb::LeaseItem {

@@ -143,7 +143,7 @@ macro_rules! store_tests {
         }
 
         #[tokio::test]
-        async fn malformed_envoy_requests_are_invalid_arguments() {
+        async fn malformed_envoy_requests_are_invalid_arguments_and_impossible_costs_over_limit() {
             let s = TestServer::start_on(BACKEND, POLICY).await;
             let mut c = s.envoy().await;
             let e = c.should_rate_limit(request(vec![], 0)).await.unwrap_err();
@@ -163,13 +163,13 @@ macro_rules! store_tests {
                 request((0..17).map(|_| descriptor(&[("route", "/a")], None)).collect(), 0);
             let e = c.should_rate_limit(too_many).await.unwrap_err();
             assert_eq!(e.code(), Grpc::InvalidArgument);
+            // A cost that can never fit is no error (Envoy would let it through): it
+            // is over the limit, with the reason and why.
             let huge = request(vec![descriptor(&[("route", "/cart")], Some(1_000))], 0);
-            let e = c.should_rate_limit(huge).await.unwrap_err();
-            assert!(
-                e.message().contains("descriptors[0]") && e.message().contains("cost"),
-                "{}",
-                e.message()
-            );
+            let r = c.should_rate_limit(huge).await.unwrap().into_inner();
+            assert_eq!(r.overall_code(), Code::OverLimit);
+            assert_eq!(header(&r, "x-ratelimit-reason"), Some("TENANT_LIMIT"));
+            assert!(header(&r, "x-ratelimit-detail").is_some_and(|d| d.contains("cost 1000")));
             // Still serving.
             let ok = c
                 .should_rate_limit(request(vec![descriptor(&[("route", "/x")], None)], 0))

@@ -123,10 +123,13 @@ async fn tokens_over_tls_let_in_only_their_holders() {
     // A gateway must not pass for a node: forwarded calls and handoffs need `peer`.
     let e = forwarded(&mut gw).await.unwrap_err();
     assert_eq!(e.code(), Code::PermissionDenied, "{e:?}");
+    assert!(!e.message().contains("not in a cluster"), "refused by the guard: {e:?}");
     let e = gw.handoff(pb::HandoffRequest::default()).await.unwrap_err();
     assert_eq!(e.code(), Code::PermissionDenied, "{e:?}");
     let mut node = client(&tls.clone().with_token("node-token").unwrap(), s.grpc);
-    assert!(forwarded(&mut node).await.unwrap());
+    // A peer gets past the guard; a node alone then refuses any peer call itself.
+    let e = forwarded(&mut node).await.unwrap_err();
+    assert!(e.message().contains("not in a cluster"), "{e:?}");
     assert!(allow(&mut node).await.unwrap());
 
     // Health checks stay open to probes.
@@ -214,8 +217,11 @@ async fn mutual_tls_admits_certificates_of_its_ca_and_names_its_peers() {
     assert!(allow(&mut gw).await.unwrap());
     let e = forwarded(&mut gw).await.unwrap_err();
     assert_eq!(e.code(), Code::PermissionDenied, "{e:?}");
+    assert!(!e.message().contains("not in a cluster"), "refused by the guard: {e:?}");
     let mut node = client(&with(&peer), s.grpc);
-    assert!(forwarded(&mut node).await.unwrap());
+    // Past the guard as a peer; a node alone then refuses any peer call itself.
+    let e = forwarded(&mut node).await.unwrap_err();
+    assert!(e.message().contains("not in a cluster"), "{e:?}");
     s.stop().await;
 }
 

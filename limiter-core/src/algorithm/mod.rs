@@ -15,7 +15,6 @@ pub use sliding_counter::{SlidingCounter, SlidingCounterState};
 pub use sliding_log::{SlidingLog, SlidingLogState};
 pub use token_bucket::{TokenBucket, TokenBucketState};
 
-
 use crate::clock::Nanos;
 
 /// How many allowances beyond its limit a level can owe: a charge (a cost reported

@@ -145,8 +145,16 @@ impl Algorithm for SlidingLog {
 
     fn charge_at(&self, state: &mut Self::State, now: Nanos, stamp: Nanos, cost: u64) {
         self.evict(state, now);
+        if cost == 0 {
+            return;
+        }
+        // Debt is capped in units, never in time: at the cap, the newest entry only
+        // counts for longer.
         let cost = cost.min(max_charged(self.limit.get()).saturating_sub(state.total));
         if cost == 0 {
+            if let Some(last) = state.entries.back_mut() {
+                last.0 = last.0.max(stamp);
+            }
             return;
         }
         state.total = state.total.saturating_add(cost);

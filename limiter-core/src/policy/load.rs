@@ -103,7 +103,8 @@ pub fn from_yaml(text: &str, file: &str) -> Result<Policy, PolicyErrors> {
             file: file.to_owned(),
             pos: e.pos,
             field: String::new(),
-            message: crate::text::shorten_message(&format!("invalid YAML: {}", e.message)).into_owned(),
+            message: crate::text::shorten_message(&format!("invalid YAML: {}", e.message))
+                .into_owned(),
         }])
     })?;
     let mut cx = Cx { file, errors: Vec::new() };
@@ -393,8 +394,12 @@ impl Cx<'_> {
         };
         let listed_any =
             top.get("tenants").is_some_and(|t| matches!(&t.value, Value::Map(m) if !m.is_empty()));
-        if !listed_any && unknown_tenants == UnknownTenants::Reject {
-            let pos = top.get("tenants").or_else(|| top.get("unknown_tenants")).map_or(root.pos, |n| n.pos);
+        // Judged on a policy otherwise valid: a mistake elsewhere is the news.
+        if !listed_any && unknown_tenants == UnknownTenants::Reject && self.errors.is_empty() {
+            let pos = top
+                .get("tenants")
+                .or_else(|| top.get("unknown_tenants"))
+                .map_or(root.pos, |n| n.pos);
             self.err(
                 pos,
                 "tenants",

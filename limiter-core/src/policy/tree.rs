@@ -67,6 +67,10 @@ impl Value {
             Self::Null => "nothing",
             Self::Bool(_) => "a boolean",
             Self::Int(_) => "an integer",
+            // The parser reads integers beyond 64 bits as floats.
+            Self::Float(f) if f.fract() == 0.0 && f.abs() >= 9.2e18 => {
+                "an integer too large (the most is 18446744073709551615)"
+            }
             Self::Float(_) => "a decimal number",
             Self::Str(_) => "a string",
             Self::Seq(_) => "a list",
@@ -183,8 +187,18 @@ pub struct SyntaxError {
 ///
 /// YAML that does not parse.
 pub fn parse(text: &str) -> Result<Node, SyntaxError> {
+    // The parser's default budgets (250,000 nodes, 64 MiB of scalars) would cap a
+    // policy at about 31,000 tenants. Text already in memory cannot expand beyond its
+    // own size except through aliases, which keep their own (default) caps; so the
+    // node, event and scalar budgets grow with the text.
+    let len = text.len();
+    let mut budget = serde_saphyr::Budget::default();
+    budget.max_nodes = budget.max_nodes.max(len);
+    budget.max_events = budget.max_events.max(len.saturating_mul(2));
+    budget.max_total_scalar_bytes = budget.max_total_scalar_bytes.max(len);
     let options = serde_saphyr::options! {
         duplicate_keys: serde_saphyr::options::DuplicateKeyPolicy::PassThrough,
+        budget: Some(budget),
     };
     if text.trim().is_empty() {
         return Ok(Node { pos: Pos { line: 1, column: 1 }, value: Value::Null });

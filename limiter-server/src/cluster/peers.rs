@@ -38,7 +38,6 @@ pub struct Peer {
     timeout: Duration,
 }
 
-
 /// The hop of a call that arrived, refused when it claims to come from another node
 /// but this node has none (alone, a node has no reason to accept a peer's call: the
 /// metadata is a header any client can send).

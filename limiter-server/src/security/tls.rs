@@ -198,7 +198,10 @@ pub type TlsConn = TlsStream<Conn<TcpStream>>;
 
 /// Takes the connections of `incoming` through their TLS handshake and hands over
 /// those that succeed, in the order they finish. Stops when the receiver is dropped.
-pub fn accept(mut incoming: mpsc::Receiver<Conn<TcpStream>>, tls: Arc<TlsState>) -> mpsc::Receiver<TlsConn> {
+pub fn accept(
+    mut incoming: mpsc::Receiver<Conn<TcpStream>>,
+    tls: Arc<TlsState>,
+) -> mpsc::Receiver<TlsConn> {
     let (tx, rx) = mpsc::channel(64);
     tokio::spawn(async move {
         let slots = Arc::new(Semaphore::new(MAX_HANDSHAKES));

@@ -14,6 +14,7 @@ use limiter_server::{Running, Server};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 pub mod pki;
+pub mod process;
 pub mod redis;
 use tonic::transport::Channel;
 

@@ -50,7 +50,12 @@ pub fn main() -> ExitCode {
 }
 
 fn check_config(file: &str) -> ExitCode {
-    match read_policy(&PathBuf::from(file)) {
+    // The same size limit as the server's (its setting, from the environment).
+    let max = std::env::var("LIMITER__LIMITS__MAX_POLICY_BYTES")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(crate::reload::DEFAULT_MAX_POLICY_BYTES);
+    match read_policy(&PathBuf::from(file), max) {
         Ok((p, _)) => {
             println!(
                 "{file}: ok ({} routes, {} tenants{})",

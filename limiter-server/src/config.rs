@@ -108,6 +108,7 @@ struct RawLimits {
     admin_idle_timeout_ms: i64,
     keepalive_interval_ms: i64,
     keepalive_timeout_ms: i64,
+    max_policy_bytes: i64,
 }
 
 #[derive(Debug, Deserialize)]
@@ -171,6 +172,7 @@ limits:
   admin_idle_timeout_ms: 60000
   keepalive_interval_ms: 30000
   keepalive_timeout_ms: 10000
+  max_policy_bytes: 50331648
 envoy:
   tenant_from: domain
   tenant_key: tenant
@@ -263,6 +265,8 @@ pub struct Limits {
     pub keepalive_interval: Duration,
     /// A ping not answered in this long closes the connection.
     pub keepalive_timeout: Duration,
+    /// The largest policy file loaded (memory: about 2.3 KB per tenant while loading).
+    pub max_policy_bytes: u64,
 }
 
 impl Limits {
@@ -766,6 +770,12 @@ impl TryFrom<Raw> for ServerConfig {
                 l.keepalive_timeout_ms,
                 false,
             ),
+            max_policy_bytes: positive(
+                &mut errors,
+                "limits.max_policy_bytes",
+                l.max_policy_bytes,
+                1 << 40,
+            ) as u64,
         };
         let tenant_from = match raw.envoy.tenant_from.as_str() {
             "domain" => TenantFrom::Domain,

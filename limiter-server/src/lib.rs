@@ -191,8 +191,12 @@ impl Server {
                 store::check_log_sizes(p, max_log).and(store::redis::check_policy(p))
             }),
         };
-        let policies =
-            Arc::new(PolicyHolder::load_checked(&config.policy_file, clock.clone(), check)?);
+        let policies = Arc::new(PolicyHolder::load_checked(
+            &config.policy_file,
+            clock.clone(),
+            check,
+            config.limits.max_policy_bytes,
+        )?);
         let stateful = matches!(store, Store::Memory(_));
         let longest_ttl = longest_lease_ttl(&policies.current().policy);
         let cluster = Arc::new(Cluster::new(

@@ -127,6 +127,8 @@ pub struct PolicyHolder {
     /// The file's metadata just before its first load (a change made before the
     /// watch starts is still seen).
     loaded_stat: Option<Stat>,
+    /// The largest file loaded.
+    max_bytes: u64,
     clock: Arc<dyn Clock>,
     check: Check,
 }
@@ -143,16 +145,32 @@ fn digest(text: &str) -> u64 {
     h.finish()
 }
 
-/// The text of a policy file, which must be UTF-8.
+/// The default of `limits.max_policy_bytes`: 48 MiB, about 330,000 tenants written
+/// one limit and one key limit each, which load in under 1 GiB (loading takes about
+/// 2.3 KB of memory per such tenant while the YAML tree and the policy both exist).
+pub const DEFAULT_MAX_POLICY_BYTES: u64 = 48 << 20;
+
+/// The text of a policy file, which must be UTF-8 and at most `max_bytes` long.
 ///
 /// # Errors
 ///
-/// An unreadable file, or bytes that are not UTF-8 (with the line, column and byte
-/// offset of the first one).
-pub fn read_text(path: &Path) -> Result<String, LoadError> {
+/// An unreadable or too large file, or bytes that are not UTF-8 (with the line,
+/// column and byte offset of the first one).
+pub fn read_text(path: &Path, max_bytes: u64) -> Result<String, LoadError> {
+    let io = |source| LoadError::Io { path: path.display().to_string(), source };
+    let len = std::fs::metadata(path).map_err(io)?.len();
+    if len > max_bytes {
+        return Err(io(std::io::Error::new(
+            std::io::ErrorKind::FileTooLarge,
+            format!(
+                "{len} bytes, above limits.max_policy_bytes ({max_bytes}); loading takes \
+                 about 2.3 KB of memory per tenant, so raise the limit \
+                 (LIMITER__LIMITS__MAX_POLICY_BYTES) only with the memory for it"
+            ),
+        )));
+    }
     metrics::counter!(m::POLICY_READS).increment(1);
-    let bytes = std::fs::read(path)
-        .map_err(|source| LoadError::Io { path: path.display().to_string(), source })?;
+    let bytes = std::fs::read(path).map_err(io)?;
     decode(path, bytes)
 }
 
@@ -178,8 +196,8 @@ fn decode(path: &Path, bytes: Vec<u8>) -> Result<String, LoadError> {
 /// # Errors
 ///
 /// An unreadable file, or every mistake in it.
-pub fn read_policy(path: &Path) -> Result<(Policy, u64), LoadError> {
-    let text = read_text(path)?;
+pub fn read_policy(path: &Path, max_bytes: u64) -> Result<(Policy, u64), LoadError> {
+    let text = read_text(path, max_bytes)?;
     let policy = from_yaml(&text, &path.display().to_string())?;
     Ok((policy, digest(&text)))
 }
@@ -191,11 +209,11 @@ impl PolicyHolder {
     ///
     /// As [`read_policy`].
     pub fn load(path: &Path, clock: Arc<dyn Clock>) -> Result<Self, LoadError> {
-        Self::load_checked(path, clock, Arc::new(|_| Ok(())))
+        Self::load_checked(path, clock, Arc::new(|_| Ok(())), DEFAULT_MAX_POLICY_BYTES)
     }
 
     /// Like [`Self::load`], with a check the store makes of this and every reloaded
-    /// policy (a policy it refuses never takes effect).
+    /// policy (a policy it refuses never takes effect), and the largest file loaded.
     ///
     /// # Errors
     ///
@@ -204,9 +222,10 @@ impl PolicyHolder {
         path: &Path,
         clock: Arc<dyn Clock>,
         check: Check,
+        max_bytes: u64,
     ) -> Result<Self, LoadError> {
         let loaded_stat = stat(path);
-        let (policy, digest) = read_policy(path)?;
+        let (policy, digest) = read_policy(path, max_bytes)?;
         check(&policy).map_err(|message| LoadError::Unsupported {
             path: path.display().to_string(),
             message,
@@ -219,6 +238,7 @@ impl PolicyHolder {
             status: Mutex::default(),
             refused: Mutex::default(),
             loaded_stat,
+            max_bytes,
             clock,
             check,
         })
@@ -243,18 +263,18 @@ impl PolicyHolder {
     /// The file is read twice: two different texts mean it is still being written
     /// ([`Reload::Unsettled`]), and nothing is loaded.
     pub async fn reload(&self) -> Reload {
-        let path = self.path.clone();
+        let (path, max) = (self.path.clone(), self.max_bytes);
         let read = tokio::task::spawn_blocking(move || {
-            let first = read_text(&path)?;
-            let second = read_text(&path)?;
+            let first = read_text(&path, max)?;
+            let second = read_text(&path, max)?;
             Ok::<_, LoadError>((first, second))
         })
         .await;
         let (text, again) = match read {
             Ok(Ok(texts)) => texts,
-            Ok(Err(e)) => return self.failed(e.to_string(), None),
+            Ok(Err(e)) => return self.failed(&e.to_string(), None),
             Err(e) => {
-                return self.failed(format!("{}: cannot read: {e}", self.path.display()), None);
+                return self.failed(&format!("{}: cannot read: {e}", self.path.display()), None);
             }
         };
         let d = digest(&text);
@@ -282,7 +302,7 @@ impl PolicyHolder {
                 }
             });
         match checked {
-            Err(e) => self.failed(e, Some(d)),
+            Err(e) => self.failed(&e, Some(d)),
             Ok(policy) => {
                 let changes = describe_changes(&old.policy, &policy);
                 let active = ActivePolicy::new(policy, old.version + 1, self.clock.now(), d);
@@ -302,8 +322,8 @@ impl PolicyHolder {
         }
     }
 
-    fn failed(&self, error: String, digest: Option<u64>) -> Reload {
-        let error = limiter_core::text::shorten_message(&error).into_owned();
+    fn failed(&self, error: &str, digest: Option<u64>) -> Reload {
+        let error = limiter_core::text::shorten_message(error).into_owned();
         metrics::counter!(m::POLICY_RELOADS, "result" => "failed").increment(1);
         tracing::error!(
             file = %self.path.display(),

@@ -289,6 +289,19 @@ fn finding_7_policies_that_can_only_reject_are_refused() {
 }
 
 #[test]
+fn finding_8_a_policy_above_its_size_limit_is_refused_naming_the_limit() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("p.yaml");
+    std::fs::write(&path, "version: 1\ntenants:\n  t: {}\n").unwrap();
+    let e = limiter_server::reload::read_policy(&path, 10).unwrap_err().to_string();
+    assert!(
+        e.contains("limits.max_policy_bytes") && e.contains("LIMITER__LIMITS__MAX_POLICY_BYTES"),
+        "{e}"
+    );
+    assert!(limiter_server::reload::read_policy(&path, 1_000).is_ok());
+}
+
+#[test]
 fn finding_8_a_policy_far_above_the_old_parser_budget_loads() {
     // 31,000 tenants was the most that loaded before; 60,000 take 480,000 nodes.
     let mut text = String::from("version: 1\ntenants:\n");
@@ -405,7 +418,8 @@ fn finding_11_messages_name_what_is_wrong() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("p.yaml");
     std::fs::write(&path, b"version: 1\ntenants:\n  t\xff: {}\n").unwrap();
-    let e = limiter_server::reload::read_policy(&path).unwrap_err().to_string();
+    let max = limiter_server::reload::DEFAULT_MAX_POLICY_BYTES;
+    let e = limiter_server::reload::read_policy(&path, max).unwrap_err().to_string();
     assert!(e.contains("p.yaml:3:4") && e.contains("byte 23"), "{e}");
 }
 

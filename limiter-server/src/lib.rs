@@ -290,10 +290,9 @@ impl Server {
             .max_concurrent_streams(config.limits.max_concurrent_streams)
             .http2_keepalive_interval(Some(config.limits.keepalive_interval))
             .http2_keepalive_timeout(Some(config.limits.keepalive_timeout))
-            // HTTP/1 is accepted only to answer it with a hint (see `grpc_only`).
+            // HTTP/1 is accepted only to answer it with a hint (`listener::GRPC_ONLY`).
             .accept_http1(true)
             .layer(listener::ActivityLayer)
-            .layer(listener::Http2Only)
             .layer(security::guard::GuardLayer(security.grpc_guard.clone()))
             .add_service(health_service)
             .add_service(native)

@@ -380,7 +380,8 @@ fn evict_oldest(
     None
 }
 
-/// A tower layer that marks a connection busy while a request is in flight.
+/// The gRPC port's tower layer: marks a connection busy while a call is in flight,
+/// and answers HTTP/1 requests (a browser, `curl` without `--http2`) with a hint.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct ActivityLayer;
 
@@ -412,54 +413,6 @@ fn activity_of<B>(req: &http::Request<B>) -> Option<Arc<Activity>> {
 
 impl<S, B> tower::Service<http::Request<B>> for ActivityService<S>
 where
-    S: tower::Service<http::Request<B>>,
-    S::Future: Send + 'static,
-{
-    type Response = S::Response;
-    type Error = S::Error;
-    type Future = Pin<Box<dyn Future<Output = Result<S::Response, S::Error>> + Send>>;
-
-    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
-        self.inner.poll_ready(cx)
-    }
-
-    fn call(&mut self, req: http::Request<B>) -> Self::Future {
-        let busy = activity_of(&req).map(|a| a.begin());
-        let call = self.inner.call(req);
-        Box::pin(async move {
-            let r = call.await;
-            drop(busy);
-            r
-        })
-    }
-}
-
-/// A tower layer for the gRPC port that answers HTTP/1 requests (a browser, `curl`
-/// without `--http2`) with `426 Upgrade Required` and a line saying what the port
-/// speaks, instead of a reset.
-#[derive(Debug, Clone, Copy, Default)]
-pub struct Http2Only;
-
-impl<S> tower::Layer<S> for Http2Only {
-    type Service = Http2OnlyService<S>;
-
-    fn layer(&self, inner: S) -> Self::Service {
-        Http2OnlyService { inner }
-    }
-}
-
-/// The service of [`Http2Only`].
-#[derive(Debug, Clone)]
-pub struct Http2OnlyService<S> {
-    inner: S,
-}
-
-/// What an HTTP/1 request to the gRPC port is told.
-pub const GRPC_ONLY: &str = "this port speaks gRPC (HTTP/2): use a gRPC client; \
-     /metrics, /healthz, /readyz and /dashboard are on the admin port\n";
-
-impl<S, B> tower::Service<http::Request<B>> for Http2OnlyService<S>
-where
     S: tower::Service<http::Request<B>, Response = http::Response<tonic::body::Body>>,
     S::Future: Send + 'static,
 {
@@ -472,19 +425,38 @@ where
     }
 
     fn call(&mut self, req: http::Request<B>) -> Self::Future {
-        if req.version() >= http::Version::HTTP_2 {
-            return Box::pin(self.inner.call(req));
+        let busy = activity_of(&req).map(|a| a.begin());
+        if req.version() < http::Version::HTTP_2 {
+            return Box::pin(async move {
+                drop(busy);
+                Ok(grpc_only())
+            });
         }
-        metrics::counter!(m::CONNECTIONS_REFUSED, "listener" => "grpc_http1").increment(1);
-        let mut answer = http::Response::new(tonic::body::Body::new(GRPC_ONLY.to_owned()));
-        *answer.status_mut() = http::StatusCode::UPGRADE_REQUIRED;
-        answer.headers_mut().insert(http::header::UPGRADE, http::HeaderValue::from_static("h2c"));
-        answer.headers_mut().insert(
-            http::header::CONTENT_TYPE,
-            http::HeaderValue::from_static("text/plain; charset=utf-8"),
-        );
-        Box::pin(async move { Ok(answer) })
+        let call = self.inner.call(req);
+        Box::pin(async move {
+            let r = call.await;
+            drop(busy);
+            r
+        })
     }
+}
+
+/// What an HTTP/1 request to the gRPC port is told.
+pub const GRPC_ONLY: &str = "this port speaks gRPC (HTTP/2): use a gRPC client; \
+     /metrics, /healthz, /readyz and /dashboard are on the admin port\n";
+
+/// The answer to an HTTP/1 request on the gRPC port: `426 Upgrade Required` and a
+/// line saying what the port speaks, instead of a reset.
+fn grpc_only() -> http::Response<tonic::body::Body> {
+    metrics::counter!(m::CONNECTIONS_REFUSED, "listener" => "grpc_http1").increment(1);
+    let mut answer = http::Response::new(tonic::body::Body::new(GRPC_ONLY.to_owned()));
+    *answer.status_mut() = http::StatusCode::UPGRADE_REQUIRED;
+    answer.headers_mut().insert(http::header::UPGRADE, http::HeaderValue::from_static("h2c"));
+    answer.headers_mut().insert(
+        http::header::CONTENT_TYPE,
+        http::HeaderValue::from_static("text/plain; charset=utf-8"),
+    );
+    answer
 }
 
 /// The soft open-file limit raised to the hard one (logged), and the limit now in

@@ -479,3 +479,51 @@ async fn finding_4_an_idle_server_opens_its_policy_a_handful_of_times() {
     assert!(reads(&text) - before <= 6.0, "{} reads", reads(&text) - before);
     server.stop();
 }
+
+#[tokio::test]
+async fn finding_1_a_handoff_from_a_node_not_in_the_cluster_is_refused() {
+    use std::sync::Arc;
+    let env: Vec<(String, String)> = [
+        ("LIMITER__POLICY_FILE", "p.yaml"),
+        ("LIMITER__CLUSTER__MEMBERSHIP", "static"),
+        ("LIMITER__CLUSTER__PEERS", "a=127.0.0.1:1,b=127.0.0.1:2"),
+        ("LIMITER__CLUSTER__NODE_ID", "a"),
+        ("LIMITER__CLUSTER__INSECURE_PEERS", "true"),
+    ]
+    .iter()
+    .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+    .collect();
+    let config = limiter_server::config::ServerConfig::load_with_env(None, env).unwrap();
+    let now = 1_800_000_000_000_000_000u64;
+    let clock = Arc::new(limiter_core::clock::ManualClock::new(now));
+    let cluster = limiter_server::cluster::Cluster::new(
+        config.cluster,
+        limiter_proto::connect::ClientSecurity::default(),
+        true,
+        clock,
+        1_000_000_000,
+    );
+    let policy = limiter_core::policy::from_yaml(KEYED, "p.yaml").unwrap();
+    let limiter = limiter_core::Limiter::new(1_000);
+    let leases = limiter_server::lease::Leases::default();
+    let counter = |state: String| pb::CounterState {
+        scope: pb::Scope::Key.into(),
+        tenant: "acme".into(),
+        route: "/r".into(),
+        key: "k".into(),
+        state: state.into_bytes(),
+    };
+    let window = now / 3_600_000_000_000;
+    let good = counter(format!(r#"{{"FixedWindow":{{"window":{window},"count":2}}}}"#));
+    let forged = counter(format!(r#"{{"FixedWindow":{{"window":{},"count":2}}}}"#, window + 100));
+    let req = |from: &str| pb::HandoffRequest {
+        from: from.into(),
+        counters: vec![good.clone(), forged.clone()],
+        complete: true,
+        ..Default::default()
+    };
+    let e = cluster.receive(&req("mallory"), Some(&limiter), &leases, &policy).unwrap_err();
+    assert!(e.contains("not a node of this cluster"), "{e}");
+    // From a peer: the reachable state is stored, the one from a window to come is not.
+    assert_eq!(cluster.receive(&req("b"), Some(&limiter), &leases, &policy), Ok(1));
+}

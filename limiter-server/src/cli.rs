@@ -9,7 +9,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use crate::config::{EXIT_BAD_CONFIG, ServerConfig};
-use crate::reload::read_policy;
+use crate::owner::reload::read_policy;
 use crate::{Listeners, Server};
 
 const USAGE: &str = "usage:
@@ -54,7 +54,7 @@ fn check_config(file: &str) -> ExitCode {
     let max = std::env::var("LIMITER__LIMITS__MAX_POLICY_BYTES")
         .ok()
         .and_then(|v| v.parse().ok())
-        .unwrap_or(crate::reload::DEFAULT_MAX_POLICY_BYTES);
+        .unwrap_or(crate::owner::reload::DEFAULT_MAX_POLICY_BYTES);
     match read_policy(&PathBuf::from(file), max) {
         Ok((p, _)) => {
             println!(

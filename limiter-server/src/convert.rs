@@ -1,11 +1,17 @@
-//! Conversions between the wire types of `limiter.v1` and limiter-core's types.
+//! Conversions between the wire types of `limiter.v1` and limiter-core's types, and
+//! the metadata names nodes use on the wire.
 
 use limiter_core::clock::{NANOS_PER_SEC, Nanos};
 use limiter_core::policy::Request;
-use limiter_core::{AlgorithmKind, Decision, Limit, Reason, Scope};
+use limiter_core::{AlgorithmKind, Limit, Reason, Scope};
 use limiter_proto::limiter::v1 as pb;
 
-use crate::owner::Outcome;
+/// Metadata naming a forwarded call's hop (`1`: forwarded once; `2`: redirected once
+/// after that). A node never forwards a call that carries it.
+pub const FORWARDED: &str = "x-limiter-forwarded";
+
+/// Metadata of a `FAILED_PRECONDITION` answer: the address of the tenant's owner.
+pub const OWNER: &str = "x-limiter-owner";
 
 /// A wire duration from nanoseconds.
 pub fn duration(nanos: Nanos) -> prost_types::Duration {
@@ -90,37 +96,6 @@ pub fn limit(l: &Limit, name: Option<&str>) -> pb::Limit {
         quota,
         window: Some(duration(window)),
     }
-}
-
-/// The wire response of a decided request.
-pub fn response(o: &Outcome) -> pb::ShouldAllowResponse {
-    let mut r = pb::ShouldAllowResponse {
-        allowed: o.verdict.admitted(),
-        policy_version: o.policy_version,
-        shadow: o.verdict.shadow,
-        cost: o.charged,
-        ticket: o.ticket.clone().unwrap_or_default(),
-        ..Default::default()
-    };
-    let name = o.limit_name.as_deref();
-    match o.verdict.decision {
-        Decision::Allowed { remaining, reset_after, binding } => {
-            r.remaining = remaining;
-            r.reset_after = Some(duration(reset_after));
-            if let Some(b) = binding {
-                r.scope = scope(b.scope).into();
-                r.limit = Some(limit(&b.limit, name));
-            }
-        }
-        Decision::Rejected { reason: why, scope: s, limit: l, retry_after } => {
-            r.reason = reason(why).into();
-            r.scope = scope(s).into();
-            r.limit = l.as_ref().map(|l| limit(l, name));
-            r.retry_after = Some(duration(retry_after));
-            r.reset_after = Some(duration(retry_after));
-        }
-    }
-    r
 }
 
 #[cfg(test)]

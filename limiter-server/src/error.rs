@@ -87,7 +87,7 @@ pub fn element_status(
         // Counted where the bound is kept.
         return tonic::Status::resource_exhausted(format!("{list}[{i}]: {why}"));
     }
-    crate::owner::Owner::count_invalid(api, &e);
+    crate::metrics::count_invalid(api, e.field());
     match e {
         ServerError::Unavailable(_) => e.into(),
         e => tonic::Status::invalid_argument(format!(

@@ -1,31 +1,25 @@
 //! limiter-server: the token-owner server.
 //!
-//! - gRPC on one port: our `limiter.v1.RateLimiter` ([`service`]), Envoy's
-//!   `envoy.service.ratelimit.v3.RateLimitService` ([`envoy`]) and `grpc.health.v1`;
+//! - gRPC on one port: our `limiter.v1.RateLimiter` ([`api::native`]), Envoy's
+//!   `envoy.service.ratelimit.v3.RateLimitService` ([`api::envoy`]) and `grpc.health.v1`;
 //! - an admin HTTP port ([`admin`]): `/metrics`, `/healthz`, `/readyz`, `/policy`;
-//! - the policy file, hot-reloaded ([`reload`]); counters in a [`store::Store`];
+//! - the policy file, hot-reloaded ([`owner::reload`]); counters in a [`store::Store`];
 //! - TLS and authentication per listener, and for calls to peers ([`security`]).
 //!
 //! [`Server::new`] validates everything before a socket exists; [`Server::run`] takes
 //! listeners its caller bound (tests pass port 0) and a shutdown future.
 
 pub mod admin;
+pub mod api;
 pub mod cli;
 pub mod cluster;
 pub mod config;
 pub mod convert;
-pub mod dashboard;
-pub mod envoy;
 pub mod error;
-pub mod heavy;
-pub mod lease;
 pub mod listener;
 pub mod metrics;
 pub mod owner;
-pub mod reload;
-pub mod routing;
 pub mod security;
-pub mod service;
 pub mod store;
 
 use std::future::Future;
@@ -42,7 +36,7 @@ use tokio_util::task::TaskTracker;
 use crate::cluster::Cluster;
 use crate::config::{ServerConfig, StoreKind};
 use crate::owner::Owner;
-use crate::reload::{LoadError, PolicyHolder};
+use crate::owner::reload::{LoadError, PolicyHolder};
 use crate::security::Security;
 use crate::store::Store;
 use crate::store::redis::RedisStore;
@@ -185,7 +179,7 @@ impl Server {
             ),
         };
         let max_log = config.limits.max_log_entries;
-        let check: reload::Check = match &store {
+        let check: owner::reload::Check = match &store {
             Store::Memory(_) => Arc::new(move |p| store::check_log_sizes(p, max_log)),
             Store::Redis(_) => Arc::new(move |p| {
                 store::check_log_sizes(p, max_log).and(store::redis::check_policy(p))
@@ -208,9 +202,9 @@ impl Server {
         ));
         let keys = if config.show_keys {
             tracing::warn!("dashboard.show_keys is set: the status page shows keys as sent");
-            heavy::KeyDisplay::Shown
+            owner::heavy::KeyDisplay::Shown
         } else {
-            heavy::KeyDisplay::Hashed
+            owner::heavy::KeyDisplay::Hashed
         };
         let owner = Arc::new(
             Owner::new(policies, store, clock, config.limits)
@@ -240,7 +234,7 @@ impl Server {
         let cancel = CancellationToken::new();
         let tasks = TaskTracker::new();
         tasks.spawn(security.clone().watch(config.reload_poll, cancel.child_token()));
-        tasks.spawn(reload::watch(
+        tasks.spawn(owner::reload::watch(
             owner.policies().clone(),
             config.reload_poll,
             config.reload_settle,
@@ -268,12 +262,12 @@ impl Server {
         });
 
         let (health, health_service) = tonic_health::server::health_reporter();
-        health.set_serving::<RateLimiterServer<service::NativeService>>().await;
-        health.set_serving::<RateLimitServiceServer<envoy::EnvoyService>>().await;
+        health.set_serving::<RateLimiterServer<api::native::NativeService>>().await;
+        health.set_serving::<RateLimitServiceServer<api::envoy::EnvoyService>>().await;
         let max_message = config.limits.max_message_bytes;
-        let native = RateLimiterServer::new(service::NativeService::new(owner.clone()))
+        let native = RateLimiterServer::new(api::native::NativeService::new(owner.clone()))
             .max_decoding_message_size(max_message);
-        let envoy = RateLimitServiceServer::new(envoy::EnvoyService::new(
+        let envoy = RateLimitServiceServer::new(api::envoy::EnvoyService::new(
             owner.clone(),
             config.envoy.clone(),
         ))
@@ -315,11 +309,16 @@ impl Server {
             }
         };
         let admin_stop = CancellationToken::new();
-        let history = Arc::new(dashboard::History::default());
-        tasks.spawn(dashboard::sample_loop(owner.clone(), history.clone(), cancel.child_token()));
+        let history = Arc::new(admin::dashboard::History::default());
+        tasks.spawn(admin::dashboard::sample_loop(
+            owner.clone(),
+            history.clone(),
+            cancel.child_token(),
+        ));
         let members = vec![config.listen.to_string()];
         if let Some(cluster) = owner.cluster().filter(|c| !c.is_single()).cloned() {
-            tasks.spawn(cluster::membership::run(owner.clone(), cancel.child_token()));
+            let state: Arc<dyn cluster::LocalState> = owner.clone();
+            tasks.spawn(cluster::membership::run(cluster.clone(), state, cancel.child_token()));
             let cancel = cancel.child_token();
             tasks.spawn(async move {
                 let mut tick = tokio::time::interval(SLICE_RENEW_EVERY);
@@ -375,8 +374,8 @@ impl Server {
             cluster.drain(owner.store().limiter(), owner.leases()).await;
             cluster.return_slices().await;
         }
-        health.set_not_serving::<RateLimiterServer<service::NativeService>>().await;
-        health.set_not_serving::<RateLimitServiceServer<envoy::EnvoyService>>().await;
+        health.set_not_serving::<RateLimiterServer<api::native::NativeService>>().await;
+        health.set_not_serving::<RateLimitServiceServer<api::envoy::EnvoyService>>().await;
         health.set_service_status("", tonic_health::ServingStatus::NotServing).await;
         tokio::time::sleep(config.drain_delay).await;
         grpc_stop.cancel();

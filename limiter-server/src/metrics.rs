@@ -217,6 +217,12 @@ impl Api {
     }
 }
 
+/// Counts a call refused as malformed, by API and the field at fault (a bounded
+/// label: the fields are the server's own names).
+pub fn count_invalid(api: Api, field: &'static str) {
+    metrics::counter!(INVALID_REQUESTS, "api" => api.as_str(), "field" => field).increment(1);
+}
+
 /// The scope label of a rejection reason.
 fn reason_scope(reason: Reason) -> &'static str {
     match reason {

@@ -293,12 +293,12 @@ fn finding_8_a_policy_above_its_size_limit_is_refused_naming_the_limit() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("p.yaml");
     std::fs::write(&path, "version: 1\ntenants:\n  t: {}\n").unwrap();
-    let e = limiter_server::reload::read_policy(&path, 10).unwrap_err().to_string();
+    let e = limiter_server::owner::reload::read_policy(&path, 10).unwrap_err().to_string();
     assert!(
         e.contains("limits.max_policy_bytes") && e.contains("LIMITER__LIMITS__MAX_POLICY_BYTES"),
         "{e}"
     );
-    assert!(limiter_server::reload::read_policy(&path, 1_000).is_ok());
+    assert!(limiter_server::owner::reload::read_policy(&path, 1_000).is_ok());
 }
 
 #[test]
@@ -418,8 +418,8 @@ fn finding_11_messages_name_what_is_wrong() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("p.yaml");
     std::fs::write(&path, b"version: 1\ntenants:\n  t\xff: {}\n").unwrap();
-    let max = limiter_server::reload::DEFAULT_MAX_POLICY_BYTES;
-    let e = limiter_server::reload::read_policy(&path, max).unwrap_err().to_string();
+    let max = limiter_server::owner::reload::DEFAULT_MAX_POLICY_BYTES;
+    let e = limiter_server::owner::reload::read_policy(&path, max).unwrap_err().to_string();
     assert!(e.contains("p.yaml:3:4") && e.contains("byte 23"), "{e}");
 }
 
@@ -505,7 +505,7 @@ async fn finding_1_a_handoff_from_a_node_not_in_the_cluster_is_refused() {
     );
     let policy = limiter_core::policy::from_yaml(KEYED, "p.yaml").unwrap();
     let limiter = limiter_core::Limiter::new(1_000);
-    let leases = limiter_server::lease::Leases::default();
+    let leases = limiter_server::owner::lease::Leases::default();
     let counter = |state: String| pb::CounterState {
         scope: pb::Scope::Key.into(),
         tenant: "acme".into(),

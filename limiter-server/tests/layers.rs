@@ -95,5 +95,8 @@ fn the_check_sees_an_upward_import() {
     let text = "use crate::metrics as m;\nuse crate::owner::Owner; // up\nfn f() { crate::config::x(); }\n";
     assert_eq!(violations("cluster", text), vec![(2, "owner".to_owned())]);
     assert!(violations("owner", text).is_empty());
-    assert_eq!(violations("ground", "use crate::config::Limits;\n"), vec![(1, "config".to_owned())]);
+    assert_eq!(
+        violations("ground", "use crate::config::Limits;\n"),
+        vec![(1, "config".to_owned())]
+    );
 }

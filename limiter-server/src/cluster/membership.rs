@@ -18,8 +18,8 @@ use std::time::Duration;
 use tokio_util::sync::CancellationToken;
 
 use super::ring::{Member, Ring};
+use super::{Cluster, LocalState};
 use crate::config::{Membership, Peer};
-use crate::owner::Owner;
 
 /// Renews this node's entry, drops expired ones, bumps the epoch on any change and
 /// returns `{epoch, id, info, id, info, ...}`. KEYS: members (zset), epoch, info
@@ -58,14 +58,13 @@ end
 return out
 ";
 
-/// Keeps the ring of `owner`'s cluster current until `cancel`.
-pub async fn run(owner: Arc<Owner>, cancel: CancellationToken) {
-    let Some(cluster) = owner.cluster() else { return };
+/// Keeps `cluster`'s ring current until `cancel`, handing `state` over as it moves.
+pub async fn run(cluster: Arc<Cluster>, state: Arc<dyn LocalState>, cancel: CancellationToken) {
     match cluster.config().membership.clone() {
         Membership::Single => {}
-        Membership::Static(peers) => run_static(&owner, &peers, cancel).await,
+        Membership::Static(peers) => run_static(&cluster, &*state, &peers, cancel).await,
         Membership::Registry { url, key, ttl, poll } => {
-            run_registry(&owner, &url, &key, ttl, poll, cancel).await;
+            run_registry(&cluster, &*state, &url, &key, ttl, poll, cancel).await;
         }
     }
 }
@@ -76,8 +75,12 @@ struct Health {
     streak: u32,
 }
 
-async fn run_static(owner: &Arc<Owner>, peers: &[Peer], cancel: CancellationToken) {
-    let cluster = owner.cluster().expect("checked by run");
+async fn run_static(
+    cluster: &Cluster,
+    state: &dyn LocalState,
+    peers: &[Peer],
+    cancel: CancellationToken,
+) {
     let me = cluster.me().clone();
     let cfg = cluster.config().clone();
     let others: Vec<Member> = peers
@@ -162,9 +165,7 @@ async fn run_static(owner: &Arc<Owner>, peers: &[Peer], cancel: CancellationToke
         let current: Vec<&str> = ring.members().iter().map(|m| &*m.id).collect();
         if ids != current || !cluster.joined() {
             epoch += 1;
-            cluster
-                .install(Ring::new(epoch, members), owner.store().limiter(), owner.leases())
-                .await;
+            cluster.install(Ring::new(epoch, members), state.counters(), state.leases()).await;
         }
         cluster.publish();
     }
@@ -196,14 +197,14 @@ fn parse_registry(reply: &[redis::Value]) -> Option<Ring> {
 }
 
 async fn run_registry(
-    owner: &Arc<Owner>,
+    cluster: &Cluster,
+    state: &dyn LocalState,
     url: &str,
     key: &str,
     ttl: Duration,
     poll: Duration,
     cancel: CancellationToken,
 ) {
-    let cluster = owner.cluster().expect("checked by run");
     let me = cluster.me().clone();
     let info = format!("{}*{}", me.address, me.weight);
     let keys =
@@ -264,7 +265,7 @@ async fn run_registry(
                     left = true;
                 }
                 cluster.refreshed();
-                cluster.install(ring, owner.store().limiter(), owner.leases()).await;
+                cluster.install(ring, state.counters(), state.leases()).await;
             }
             None => {
                 conn = None;

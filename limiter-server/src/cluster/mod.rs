@@ -45,7 +45,6 @@ use self::peers::{Peer, Peers};
 use self::ring::{GLOBAL_ROOT, Member, Ring, route_root};
 use crate::config::{ClusterConfig, Membership};
 use crate::convert;
-use crate::lease::Leases;
 use crate::metrics as m;
 
 /// Where a tenant's (or root key's) requests are decided.
@@ -100,6 +99,24 @@ pub fn lease_name(item: &pb::LeaseItem) -> String {
         Some(scope) => owner_name(scope, &item.tenant, &item.route),
         None => item.tenant.clone(),
     }
+}
+
+/// The lease book as a handoff sees it: what moves with tenants, and what arrives.
+/// The owner's book implements it (the cluster sits below the owner).
+pub trait LeaseBook: Send + Sync {
+    /// Takes out the open leases whose ring name `moving` accepts.
+    fn take_moving(&self, moving: &dyn Fn(&str) -> bool) -> Vec<pb::LeaseState>;
+    /// Adopts leases handed to this node; returns how many.
+    fn adopt(&self, leases: &[pb::LeaseState]) -> u64;
+}
+
+/// What this node holds that moves when tenants change owner: its counters (the
+/// memory store's, `None` on Redis) and its lease book. The owner implements it.
+pub trait LocalState: Send + Sync {
+    /// The counters, when they live in this process.
+    fn counters(&self) -> Option<&Limiter>;
+    /// The lease book.
+    fn leases(&self) -> &dyn LeaseBook;
 }
 
 /// This node's share of the cluster.
@@ -399,7 +416,7 @@ impl Cluster {
     /// Installs a new ring. Counters of tenants that move to a member that was not in
     /// the old ring are handed to it first (planned moves); this node marks itself
     /// joined once it is in a ring.
-    pub async fn install(&self, new: Ring, limiter: Option<&Limiter>, leases: &Leases) {
+    pub async fn install(&self, new: Ring, limiter: Option<&Limiter>, leases: &dyn LeaseBook) {
         let old = self.ring.load_full();
         if *old == new {
             return;
@@ -438,7 +455,7 @@ impl Cluster {
                 let (taken, leased) = match limiter {
                     Some(l) if !was_alone => (
                         l.table().take_where(|k| moving(&ring_name(k))),
-                        leases.take_moving(moving),
+                        leases.take_moving(&moving),
                     ),
                     _ => (Vec::new(), Vec::new()),
                 };
@@ -470,7 +487,7 @@ impl Cluster {
 
     /// Drains: hands every counter to its owner in the ring without this node, then
     /// redirects every request there.
-    pub async fn drain(&self, limiter: Option<&Limiter>, leases: &Leases) {
+    pub async fn drain(&self, limiter: Option<&Limiter>, leases: &dyn LeaseBook) {
         if self.draining.swap(true, Ordering::Relaxed) {
             return;
         }
@@ -484,7 +501,7 @@ impl Cluster {
         drop(gate);
         if let Some(limiter) = limiter {
             let taken = limiter.table().take_where(|_| true);
-            let leased = leases.take_moving(|_| true);
+            let leased = leases.take_moving(&|_| true);
             self.hand_off(&target, target.members(), taken, leased, true).await;
         }
         self.ring.store(target);
@@ -576,7 +593,7 @@ impl Cluster {
         &self,
         req: &pb::HandoffRequest,
         limiter: Option<&Limiter>,
-        leases: &Leases,
+        leases: &dyn LeaseBook,
         policy: &Policy,
     ) -> Result<u64, String> {
         if !self.knows(&req.from) {

@@ -14,12 +14,7 @@ use parking_lot::Mutex;
 use tokio::sync::{mpsc, oneshot};
 use tonic::{Request, Status};
 
-/// Metadata naming a forwarded call's hop (`1`: forwarded once; `2`: redirected once
-/// after that). A node never forwards a call that carries it.
-pub const FORWARDED: &str = "x-limiter-forwarded";
-
-/// Metadata of a `FAILED_PRECONDITION` answer: the address of the tenant's owner.
-pub const OWNER: &str = "x-limiter-owner";
+pub use crate::convert::{FORWARDED, OWNER};
 
 /// Single decisions queued for one peer are sent together, at most this many.
 const MAX_FORWARD_BATCH: usize = 100;

@@ -15,7 +15,8 @@ use parking_lot::Mutex;
 use rustls::pki_types::{CertificateDer, ServerName};
 use tonic::transport::server::{TcpConnectInfo, TlsConnectInfo};
 
-use crate::cluster::peers::FORWARDED;
+pub use crate::config::security::AuthMode;
+use crate::convert::FORWARDED;
 use crate::listener::ConnInfo;
 use crate::metrics as m;
 
@@ -175,21 +176,6 @@ impl TokenFile {
     pub fn current(&self) -> arc_swap::Guard<Arc<Tokens>> {
         self.tokens.load()
     }
-}
-
-/// How a listener authenticates callers.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum AuthMode {
-    /// Everyone is let in.
-    None,
-    /// A bearer token from the tokens file.
-    Token,
-    /// A client certificate issued by the listener's client CA; those valid for one
-    /// of `peer_names` are peers.
-    Mtls {
-        /// DNS names or IP addresses of the certificates nodes present to each other.
-        peer_names: Vec<String>,
-    },
 }
 
 /// Which protocol a listener speaks, for the shape of its refusals.

@@ -2,7 +2,7 @@
 //! (new connections get the new certificate; open connections keep theirs and are
 //! not dropped), and handshakes done off the accept loop, bounded in number and time.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -25,26 +25,7 @@ const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 /// Handshakes in progress at once on one listener; more wait to be accepted.
 const MAX_HANDSHAKES: usize = 1024;
 
-/// The files of a listener's TLS.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct TlsFiles {
-    /// The certificate chain (PEM), leaf first.
-    pub cert: PathBuf,
-    /// Its private key (PEM: PKCS#8, PKCS#1 or SEC1).
-    pub key: PathBuf,
-    /// CAs whose client certificates are accepted (PEM); none: clients are not asked.
-    pub client_ca: Option<PathBuf>,
-}
-
-/// Whether a client certificate is required to finish the handshake, or only checked
-/// when presented (the call is then judged by the listener's auth).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum ClientCerts {
-    /// The handshake fails without a valid client certificate.
-    Required,
-    /// A presented certificate must be valid; none is fine.
-    Optional,
-}
+pub use crate::config::security::{ClientCerts, TlsFiles};
 
 /// A listener's TLS: its files and the configuration made of them last.
 pub struct TlsState {

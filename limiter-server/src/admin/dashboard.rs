@@ -27,9 +27,9 @@ use limiter_core::policy::FailurePolicy;
 use parking_lot::Mutex;
 use serde_json::{Value, json};
 
-use crate::heavy::Hitter;
 use crate::metrics::{self as m};
 use crate::owner::Owner;
+use crate::owner::heavy::Hitter;
 
 /// Seconds of history kept.
 const HISTORY: usize = 600;

@@ -1,6 +1,8 @@
 //! The admin HTTP port: `/metrics` (Prometheus), `/healthz` (liveness), `/readyz`
 //! (readiness: policy loaded and not draining), `/policy` (the active policy), and the
-//! status page `/dashboard` with its data at `/dashboard/data`.
+//! status page `/dashboard` with its data at `/dashboard/data` ([`dashboard`]).
+
+pub mod dashboard;
 
 use std::sync::Arc;
 
@@ -13,7 +15,7 @@ use limiter_core::clock::NANOS_PER_SEC;
 use limiter_core::policy::UnknownTenants;
 use serde_json::json;
 
-use crate::dashboard::{self, History};
+use self::dashboard::History;
 use crate::metrics;
 use crate::owner::Owner;
 

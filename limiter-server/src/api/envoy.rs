@@ -32,7 +32,6 @@ use crate::convert::duration;
 use crate::error::ServerError;
 use crate::metrics::Api;
 use crate::owner::{Outcome, Owner};
-use crate::store::Charged;
 
 /// `envoy.service.ratelimit.v3.RateLimitService` over an [`Owner`].
 #[derive(Debug, Clone)]
@@ -325,15 +324,12 @@ fn refused(owner: &Owner, core: &[Request<'_>], i: usize, e: &ServerError) -> Op
     let now = owner.clock().now();
     Some(Refused {
         index: i,
-        outcome: Outcome {
-            verdict: Verdict { decision, shadow: chain.shadow },
-            charged: 0,
-            limit_name: Some(level.rule.name.clone()),
-            policy_version: active.version,
-            decided_at: now,
-            charged_at: Charged { at: now, hold: 0 },
-            ticket: None,
-        },
+        outcome: Outcome::refused(
+            Verdict { decision, shadow: chain.shadow },
+            level.rule.name.clone(),
+            active.version,
+            now,
+        ),
         detail,
     })
 }
@@ -347,7 +343,7 @@ impl RateLimitService for EnvoyService {
         let hop = crate::cluster::peers::checked_hop(&request, self.owner.shared().is_some())?;
         let req = request.into_inner();
         let refuse = |e: ServerError| -> Status {
-            Owner::count_invalid(Api::Envoy, &e);
+            crate::metrics::count_invalid(Api::Envoy, e.field());
             e.into()
         };
         let max = self.owner.limits().max_descriptors;
@@ -386,14 +382,15 @@ impl RateLimitService for EnvoyService {
         // the first one's tenant (with `tenant_from: domain`, the only tenant).
         let mut unreachable = false;
         if let Some(cluster) = self.owner.cluster() {
-            match crate::routing::target(cluster, core[0].tenant, hop).await {
+            match crate::api::routing::target(cluster, core[0].tenant, hop).await {
                 Some(Err(owner)) => return Err(crate::cluster::peers::moved(&owner.address)),
                 Some(Ok(owner)) => {
                     let call = |peer: crate::cluster::peers::Peer, hop| {
                         let req = req.clone();
                         async move { peer.should_rate_limit(req, hop).await }
                     };
-                    match crate::routing::forward_once(cluster, &owner, core[0].tenant, call).await
+                    match crate::api::routing::forward_once(cluster, &owner, core[0].tenant, call)
+                        .await
                     {
                         Ok(Some(answer)) => return Ok(Response::new(answer)),
                         Ok(None) => {}
@@ -431,7 +428,7 @@ impl EnvoyService {
             let Some(r) = refused(&self.owner, core, i, &e) else {
                 return Err(crate::error::element_status(Api::Envoy, "descriptors", i, e));
             };
-            Owner::count_invalid(Api::Envoy, &e);
+            crate::metrics::count_invalid(Api::Envoy, e.field());
             refusals.push(r);
             let rest: Vec<(usize, Request<'_>)> = core
                 .iter()

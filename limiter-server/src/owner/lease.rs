@@ -245,7 +245,7 @@ impl Owner {
                                 )
                                 .await
                                 .map_err(|(_, e)| (i, e))?;
-                            grant.decision = Some(convert::response(&outcome[0]));
+                            grant.decision = Some(outcome[0].response());
                         }
                         grants.push(grant);
                         continue;
@@ -265,7 +265,7 @@ impl Owner {
                         .decide(Api::Lease, std::slice::from_ref(&req), false, false)
                         .await
                         .map_err(|(_, e)| (i, e))?;
-                    grant.decision = Some(convert::response(&outcome[0]));
+                    grant.decision = Some(outcome[0].response());
                 }
                 grants.push(grant);
                 continue;
@@ -340,7 +340,7 @@ impl Owner {
                     .decide(Api::Lease, &[probe], false, false)
                     .await
                     .map_err(|(_, e)| (i, e))?;
-                grant.decision = Some(convert::response(&outcome[0]));
+                grant.decision = Some(outcome[0].response());
                 grants.push(grant);
                 continue;
             }
@@ -458,6 +458,16 @@ impl Owner {
             charged_at: crate::store::Charged { at: now, hold: 0 },
             ticket: None,
         };
-        convert::response(&outcome)
+        outcome.response()
+    }
+}
+
+impl crate::cluster::LeaseBook for Leases {
+    fn take_moving(&self, moving: &dyn Fn(&str) -> bool) -> Vec<pb::LeaseState> {
+        Self::take_moving(self, moving)
+    }
+
+    fn adopt(&self, leases: &[pb::LeaseState]) -> u64 {
+        Self::adopt(self, leases)
     }
 }

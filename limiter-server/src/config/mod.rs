@@ -13,7 +13,10 @@ use limiter_core::key::MAX_NAME_LEN;
 use limiter_core::policy::NameBounds;
 use serde::Deserialize;
 
-use crate::store::redis::{PoolKind, RedisClock, RedisSettings};
+pub mod redis;
+pub mod security;
+
+use self::redis::{PoolKind, RedisClock, RedisSettings};
 
 /// Exit status for bad configuration (`EX_CONFIG`... `EX_USAGE` in sysexits: 64).
 pub const EXIT_BAD_CONFIG: i32 = 64;
@@ -30,7 +33,7 @@ struct Raw {
     reload: RawReload,
     shutdown: RawShutdown,
     cluster: RawCluster,
-    security: crate::security::RawSecurity,
+    security: security::RawSecurity,
     dashboard: RawDashboard,
 }
 
@@ -325,7 +328,7 @@ pub struct ServerConfig {
     /// Several nodes sharing the tenants.
     pub cluster: ClusterConfig,
     /// TLS and authentication of the listeners and of calls to peers.
-    pub security: crate::security::SecurityConfig,
+    pub security: security::SecurityConfig,
 }
 
 /// Where the ring's members come from.
@@ -530,10 +533,7 @@ impl ServerConfig {
             env.into_iter().filter(|(k, _)| k.starts_with("LIMITER__")).collect();
         let mut b = config::Config::builder()
             .add_source(config::File::from_str(DEFAULTS, config::FileFormat::Yaml))
-            .add_source(config::File::from_str(
-                crate::security::DEFAULTS,
-                config::FileFormat::Yaml,
-            ));
+            .add_source(config::File::from_str(security::DEFAULTS, config::FileFormat::Yaml));
         if let Some(f) = file {
             b = b.add_source(config::File::from(f).format(config::FileFormat::Yaml));
         }
@@ -798,11 +798,8 @@ impl TryFrom<Raw> for ServerConfig {
         let grace = millis(&mut errors, "shutdown.grace_ms", raw.shutdown.grace_ms, true);
         let cluster = cluster_config(&mut errors, &raw.cluster, &raw.listen);
         let clustered = cluster.membership != Membership::Single;
-        let security = crate::security::config(&mut errors, &raw.security, clustered);
-        if clustered
-            && security.grpc.auth == crate::security::guard::AuthMode::None
-            && !cluster.insecure_peers
-        {
+        let security = security::config(&mut errors, &raw.security, clustered);
+        if clustered && security.grpc.auth == security::AuthMode::None && !cluster.insecure_peers {
             errors.push(
                 "cluster.membership: a cluster whose gRPC port has `security.grpc.auth: none` \
                  lets any client act as a peer (hand off counters, send forwarded calls); \
@@ -895,9 +892,9 @@ mod tests {
             ("LIMITER__SECURITY__GRPC__AUTH", "token"),
         ])
         .unwrap();
-        assert_eq!(c.security.grpc.auth, crate::security::guard::AuthMode::Token);
+        assert_eq!(c.security.grpc.auth, security::AuthMode::Token);
         assert!(c.security.grpc.tls.as_ref().is_some_and(|t| t.client_ca.is_none()));
-        assert_eq!(c.security.admin.auth, crate::security::guard::AuthMode::None);
+        assert_eq!(c.security.admin.auth, security::AuthMode::None);
 
         let text = load(&[
             ("LIMITER__SECURITY__GRPC__CERT_FILE", "/tls/a.pem"),

@@ -141,7 +141,7 @@ pub async fn should_allow(
         return Ok(decide_here(owner, reqs, &all, false)
             .await?
             .iter()
-            .map(convert::response)
+            .map(Outcome::response)
             .collect());
     };
     // Refuse what can never succeed here, before anything is forwarded.
@@ -206,11 +206,11 @@ pub async fn should_allow(
     }
     here.sort_unstable();
     for (i, o) in here.iter().zip(decide_here(owner, reqs, &here, false).await?) {
-        out[*i] = Some(convert::response(&o));
+        out[*i] = Some(o.response());
     }
     unreachable.sort_unstable();
     for (i, o) in unreachable.iter().zip(decide_here(owner, reqs, &unreachable, true).await?) {
-        out[*i] = Some(convert::response(&o));
+        out[*i] = Some(o.response());
     }
     Ok(out.into_iter().map(Option::unwrap_or_default).collect())
 }
@@ -340,7 +340,7 @@ pub async fn lease(
                 .decide_with(Api::Lease, std::slice::from_ref(&core), false, false, true)
                 .await
                 .map_err(|(_, e)| (i, e))?;
-            g.decision = Some(convert::response(&o[0]));
+            g.decision = Some(o[0].response());
         }
         out[i] = Some(g);
     }

@@ -6,11 +6,11 @@ use limiter_proto::limiter::v1 as pb;
 use pb::rate_limiter_server::RateLimiter;
 use tonic::{Request, Response, Status};
 
+use crate::api::routing;
 use crate::cluster::peers::{Peer, checked_hop, moved};
 use crate::error::{ServerError, element_status};
 use crate::metrics::Api;
 use crate::owner::Owner;
-use crate::routing;
 
 /// `limiter.v1.RateLimiter` over an [`Owner`].
 #[derive(Debug, Clone)]
@@ -30,7 +30,7 @@ impl NativeService {
 }
 
 fn refuse(e: ServerError) -> Status {
-    Owner::count_invalid(Api::Native, &e);
+    crate::metrics::count_invalid(Api::Native, e.field());
     e.into()
 }
 

@@ -1,5 +1,11 @@
 //! The token owner: resolves requests against the active policy, decides them on the
-//! store, counts them, and settles costs reported after the fact.
+//! store, counts them, and settles costs reported after the fact; the lease book and
+//! grants ([`lease`]), the active policy and its reload ([`reload`]), and the heavy
+//! hitters ([`heavy`]).
+
+pub mod heavy;
+pub mod lease;
+pub mod reload;
 
 use std::collections::HashMap;
 use std::hash::BuildHasher;
@@ -10,17 +16,19 @@ use limiter_core::clock::{Clock, NANOS_PER_SEC, Nanos};
 use limiter_core::failure::EmergencyCeilings;
 use limiter_core::policy::{Chain, Request};
 use limiter_core::{Decision, Verdict};
+use limiter_proto::limiter::v1 as pb;
 use metrics::Histogram;
 use parking_lot::Mutex;
 
 use crate::cluster::Cluster;
 use crate::cluster::slices::{Remote, SliceKey, Take};
 use crate::config::Limits;
+use crate::convert;
 use crate::error::ServerError;
-use crate::heavy::HeavyHitters;
-use crate::lease::Leases;
 use crate::metrics::{self as m, Api};
-use crate::reload::PolicyHolder;
+use crate::owner::heavy::HeavyHitters;
+use crate::owner::lease::Leases;
+use crate::owner::reload::PolicyHolder;
 use crate::store::{Charged, Store};
 
 /// A route counts as in fallback this long after its last failure-policy decision.
@@ -46,6 +54,58 @@ pub struct Outcome {
     pub charged_at: Charged,
     /// A ticket to report the actual cost with, when asked for.
     pub ticket: Option<String>,
+}
+
+impl Outcome {
+    /// A refusal decided before the store was asked (nothing charged).
+    pub fn refused(
+        verdict: Verdict,
+        limit_name: Arc<str>,
+        policy_version: u64,
+        now: Nanos,
+    ) -> Self {
+        Self {
+            verdict,
+            charged: 0,
+            limit_name: Some(limit_name),
+            policy_version,
+            decided_at: now,
+            charged_at: Charged { at: now, hold: 0 },
+            ticket: None,
+        }
+    }
+
+    /// The wire response of this decision.
+    pub fn response(&self) -> pb::ShouldAllowResponse {
+        let o = self;
+        let mut r = pb::ShouldAllowResponse {
+            allowed: o.verdict.admitted(),
+            policy_version: o.policy_version,
+            shadow: o.verdict.shadow,
+            cost: o.charged,
+            ticket: o.ticket.clone().unwrap_or_default(),
+            ..Default::default()
+        };
+        let name = o.limit_name.as_deref();
+        match o.verdict.decision {
+            Decision::Allowed { remaining, reset_after, binding } => {
+                r.remaining = remaining;
+                r.reset_after = Some(convert::duration(reset_after));
+                if let Some(b) = binding {
+                    r.scope = convert::scope(b.scope).into();
+                    r.limit = Some(convert::limit(&b.limit, name));
+                }
+            }
+            Decision::Rejected { reason: why, scope: s, limit: l, retry_after } => {
+                r.reason = convert::reason(why).into();
+                r.scope = convert::scope(s).into();
+                r.limit = l.as_ref().map(|l| convert::limit(l, name));
+                r.retry_after = Some(convert::duration(retry_after));
+                r.reset_after = Some(convert::duration(retry_after));
+            }
+        }
+        r
+    }
 }
 
 /// What a cost report did.
@@ -184,7 +244,7 @@ impl Owner {
 
     /// With the status page's heavy hitters keeping keys as `display` says.
     #[must_use]
-    pub fn with_key_display(mut self, display: crate::heavy::KeyDisplay) -> Self {
+    pub fn with_key_display(mut self, display: crate::owner::heavy::KeyDisplay) -> Self {
         self.heavy = HeavyHitters::default().with_keys(display);
         self
     }
@@ -312,12 +372,6 @@ impl Owner {
     pub fn set_ready(&self, ready: bool) {
         self.ready.store(ready, Ordering::Relaxed);
         metrics::gauge!(m::READY).set(if ready { 1.0 } else { 0.0 });
-    }
-
-    /// Counts a refused call.
-    pub fn count_invalid(api: Api, e: &ServerError) {
-        metrics::counter!(m::INVALID_REQUESTS, "api" => api.as_str(), "field" => e.field())
-            .increment(1);
     }
 
     /// Decides `requests` in order. With `all_or_nothing`, a rejection refunds what the
@@ -534,5 +588,15 @@ impl Owner {
         metrics::gauge!(m::STORE_MAX_KEYS).set(self.store.max_keys() as f64);
         metrics::counter!(m::STORE_EVICTIONS, "kind" => "idle").absolute(s.evicted_idle);
         metrics::counter!(m::STORE_EVICTIONS, "kind" => "live").absolute(s.evicted_live);
+    }
+}
+
+impl crate::cluster::LocalState for Owner {
+    fn counters(&self) -> Option<&limiter_core::Limiter> {
+        self.store.limiter()
+    }
+
+    fn leases(&self) -> &dyn crate::cluster::LeaseBook {
+        &self.leases
     }
 }

@@ -383,7 +383,10 @@ fn nanos(d: Duration) -> Nanos {
 
 fn duration_nanos(d: Option<&prost_types::Duration>) -> Nanos {
     d.map_or(0, |d| {
-        u64::try_from(d.seconds).unwrap_or(0) * NANOS_PER_SEC + u64::try_from(d.nanos).unwrap_or(0)
+        u64::try_from(d.seconds)
+            .unwrap_or(0)
+            .saturating_mul(NANOS_PER_SEC)
+            .saturating_add(u64::try_from(d.nanos).unwrap_or(0))
     })
 }
 
@@ -845,7 +848,10 @@ impl Inner {
         st.lease_id = 0;
         match self.call(vec![item]).await {
             Ok(grants) => {
-                let g = &grants[0];
+                // An answer without the grant asked for is the owner's fault: fall back.
+                let Some(g) = grants.first() else {
+                    return Ok(self.fallback(slot.key.route(), cost));
+                };
                 if g.mode() == pb::LeaseMode::Direct {
                     self.install(slot, &mut st, g, now, 0);
                     return Ok(g.decision.as_ref().map_or_else(

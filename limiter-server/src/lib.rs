@@ -254,7 +254,7 @@ impl Server {
                             owner.leases().expire(now);
                             owner.publish_fallback(now);
                             let policy = owner.policies().current();
-                            owner.store().return_batches(&policy.policy, now, false).await;
+                            owner.store().return_batches(&policy.policy, now, store::Returning::Due).await;
                         }
                     }
                 }
@@ -394,7 +394,10 @@ impl Server {
         tasks.close();
         // Batches leased from Redis go back before the process ends.
         let policy = owner.policies().current();
-        owner.store().return_batches(&policy.policy, owner.clock().now(), true).await;
+        owner
+            .store()
+            .return_batches(&policy.policy, owner.clock().now(), store::Returning::All)
+            .await;
         if tokio::time::timeout(config.grace, tasks.wait()).await.is_err() {
             tracing::warn!("background tasks abandoned after the grace period");
         }

@@ -238,7 +238,9 @@ tenants:
 
 #[tokio::test]
 async fn finding_6_a_policy_written_in_place_in_two_parts_is_loaded_whole() {
-    let s = TestServer::start_with(TWO, &[("LIMITER__RELOAD__SETTLE_MS", "500")]).await;
+    // A settle time well above the writer's pause, so a loaded machine cannot stretch
+    // the pause past it.
+    let s = TestServer::start_with(TWO, &[("LIMITER__RELOAD__SETTLE_MS", "1500")]).await;
     let mut c = s.native().await;
     let whole = format!(
         "{TWO}  initech:\n    limit: {{ algorithm: fixed_window, limit: 100, window: 1h }}\n"
@@ -256,7 +258,7 @@ async fn finding_6_a_policy_written_in_place_in_two_parts_is_loaded_whole() {
         f.write_all(second.as_bytes()).unwrap();
     });
     // Every decision during the write and after it knows acme and globex.
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(3);
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(4);
     while tokio::time::Instant::now() < deadline {
         for t in ["acme", "globex"] {
             let r = c.should_allow(ask(t, "/r")).await.unwrap().into_inner();

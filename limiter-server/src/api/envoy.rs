@@ -31,7 +31,7 @@ use crate::config::{EnvoyMapping, TenantFrom};
 use crate::convert::duration;
 use crate::error::ServerError;
 use crate::metrics::Api;
-use crate::owner::{Outcome, Owner};
+use crate::owner::{Charge, Outcome, Owner, Reach, Report};
 
 /// `envoy.service.ratelimit.v3.RateLimitService` over an [`Owner`].
 #[derive(Debug, Clone)]
@@ -381,15 +381,17 @@ impl RateLimitService for EnvoyService {
         // One HTTP request: all its descriptors are decided together, by the owner of
         // the first one's tenant (with `tenant_from: domain`, the only tenant).
         let mut unreachable = false;
+        // Not empty: checked above.
+        let first_tenant = core.first().map_or("", |r| r.tenant);
         if let Some(cluster) = self.owner.cluster() {
-            match crate::api::routing::target(cluster, core[0].tenant, hop).await {
+            match crate::api::routing::target(cluster, first_tenant, hop).await {
                 Some(Err(owner)) => return Err(crate::cluster::peers::moved(&owner.address)),
                 Some(Ok(owner)) => {
                     let call = |peer: crate::cluster::peers::Peer, hop| {
                         let req = req.clone();
                         async move { peer.should_rate_limit(req, hop).await }
                     };
-                    match crate::api::routing::forward_once(cluster, &owner, core[0].tenant, call)
+                    match crate::api::routing::forward_once(cluster, &owner, first_tenant, call)
                         .await
                     {
                         Ok(Some(answer)) => return Ok(Response::new(answer)),
@@ -415,7 +417,11 @@ impl EnvoyService {
         core: &[Request<'_>],
         unreachable: bool,
     ) -> Result<rls::RateLimitResponse, Status> {
-        let first = self.owner.decide_with(Api::Envoy, core, true, false, unreachable).await;
+        let reach = Reach::of(unreachable);
+        let first = self
+            .owner
+            .decide_with(Api::Envoy, core, Charge::AllOrNothing, Report::Now, reach)
+            .await;
         let (i, e) = match first {
             Ok(outcomes) => return Ok(answer(&outcomes, None)),
             Err(failed) => failed,
@@ -439,7 +445,11 @@ impl EnvoyService {
                 })
                 .collect();
             let checks: Vec<Request<'_>> = rest.iter().map(|(_, r)| *r).collect();
-            match self.owner.decide_with(Api::Envoy, &checks, false, false, unreachable).await {
+            match self
+                .owner
+                .decide_with(Api::Envoy, &checks, Charge::Each, Report::Now, reach)
+                .await
+            {
                 Ok(outcomes) => {
                     let mut all: Vec<(usize, Outcome)> =
                         rest.iter().map(|(j, _)| *j).zip(outcomes).collect();

@@ -14,7 +14,7 @@ use crate::cluster::{Cluster, Placement};
 use crate::convert;
 use crate::error::ServerError;
 use crate::metrics::{self as m, Api};
-use crate::owner::{Outcome, Owner};
+use crate::owner::{Charge, Outcome, Owner, Reach, Report};
 
 fn counted(api: Api, outcome: &'static str) {
     metrics::counter!(m::FORWARDS, "api" => api.as_str(), "outcome" => outcome).increment(1);
@@ -102,7 +102,7 @@ async fn decide_here(
             }
             let core: Vec<Request<'_>> = part.iter().map(|&i| convert::request(&reqs[i])).collect();
             let o = owner
-                .decide_with(Api::Native, &core, false, false, unreachable)
+                .decide_with(Api::Native, &core, Charge::Each, Report::Now, Reach::of(unreachable))
                 .await
                 .map_err(|(j, e)| (part[j], e))?;
             out.extend(o);
@@ -115,9 +115,9 @@ async fn decide_here(
             .decide_with(
                 Api::Native,
                 std::slice::from_ref(&core),
-                false,
-                reqs[i].report_later,
-                unreachable,
+                Charge::Each,
+                if reqs[i].report_later { Report::Later } else { Report::Now },
+                Reach::of(unreachable),
             )
             .await
             .map_err(|(_, e)| (i, e))?;
@@ -337,10 +337,16 @@ pub async fn lease(
                 dry_run: false,
             };
             let o = owner
-                .decide_with(Api::Lease, std::slice::from_ref(&core), false, false, true)
+                .decide_with(
+                    Api::Lease,
+                    std::slice::from_ref(&core),
+                    Charge::Each,
+                    Report::Now,
+                    Reach::Unreachable,
+                )
                 .await
                 .map_err(|(_, e)| (i, e))?;
-            g.decision = Some(o[0].response());
+            g.decision = o.first().map(Outcome::response);
         }
         out[i] = Some(g);
     }

@@ -119,6 +119,14 @@ pub trait LocalState: Send + Sync {
     fn leases(&self) -> &dyn LeaseBook;
 }
 
+/// Whether a handoff's sender is leaving the ring (draining) or only gives up the
+/// tenants that moved.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Leaving {
+    No,
+    Yes,
+}
+
 /// This node's share of the cluster.
 pub struct Cluster {
     me: Member,
@@ -459,7 +467,7 @@ impl Cluster {
                     ),
                     _ => (Vec::new(), Vec::new()),
                 };
-                self.hand_off(&new, &to, taken, leased, false).await;
+                self.hand_off(&new, &to, taken, leased, Leaving::No).await;
             }
         }
         let now = self.clock.now();
@@ -502,7 +510,7 @@ impl Cluster {
         if let Some(limiter) = limiter {
             let taken = limiter.table().take_where(|_| true);
             let leased = leases.take_moving(&|_| true);
-            self.hand_off(&target, target.members(), taken, leased, true).await;
+            self.hand_off(&target, target.members(), taken, leased, Leaving::Yes).await;
         }
         self.ring.store(target);
         self.moving.store(Arc::new(None));
@@ -516,8 +524,9 @@ impl Cluster {
         to: &[Member],
         taken: Vec<limiter_core::table::Slot>,
         leased: Vec<pb::LeaseState>,
-        leaving: bool,
+        leaving: Leaving,
     ) {
+        let leaving = leaving == Leaving::Yes;
         let mut leases_of: HashMap<Arc<str>, Vec<pb::LeaseState>> = HashMap::new();
         for l in leased {
             if let Some(owner) = target.owner(&l.tenant) {

@@ -31,7 +31,7 @@ use crate::cluster::slices::Remote;
 use crate::convert;
 use crate::error::ServerError;
 use crate::metrics::{self as m, Api};
-use crate::owner::Owner;
+use crate::owner::{Charge, Outcome, Owner, Reach, Report};
 
 /// A chain's identity in the book: tenant, route, key.
 type ChainKey = (Box<str>, Box<str>, Option<Box<str>>);
@@ -239,13 +239,13 @@ impl Owner {
                                 .decide_with(
                                     Api::Lease,
                                     std::slice::from_ref(&req),
-                                    false,
-                                    false,
-                                    true,
+                                    Charge::Each,
+                                    Report::Now,
+                                    Reach::Unreachable,
                                 )
                                 .await
                                 .map_err(|(_, e)| (i, e))?;
-                            grant.decision = Some(outcome[0].response());
+                            grant.decision = outcome.first().map(Outcome::response);
                         }
                         grants.push(grant);
                         continue;
@@ -262,10 +262,10 @@ impl Owner {
                 drop(held.take());
                 if item.cost > 0 {
                     let outcome = self
-                        .decide(Api::Lease, std::slice::from_ref(&req), false, false)
+                        .decide(Api::Lease, std::slice::from_ref(&req), Charge::Each, Report::Now)
                         .await
                         .map_err(|(_, e)| (i, e))?;
-                    grant.decision = Some(outcome[0].response());
+                    grant.decision = outcome.first().map(Outcome::response);
                 }
                 grants.push(grant);
                 continue;
@@ -337,10 +337,10 @@ impl Owner {
                 drop(held.take());
                 let probe = Request { dry_run: item.cost == 0, ..req };
                 let outcome = self
-                    .decide(Api::Lease, &[probe], false, false)
+                    .decide(Api::Lease, &[probe], Charge::Each, Report::Now)
                     .await
                     .map_err(|(_, e)| (i, e))?;
-                grant.decision = Some(outcome[0].response());
+                grant.decision = outcome.first().map(Outcome::response);
                 grants.push(grant);
                 continue;
             }

@@ -108,6 +108,41 @@ impl Outcome {
     }
 }
 
+/// How the requests of one call are charged.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Charge {
+    /// Each on its own.
+    Each,
+    /// All of them or none (one HTTP request's descriptors).
+    AllOrNothing,
+}
+
+/// When admitted requests' costs are known: now, or later (each charged request
+/// then gets a ticket to report its actual cost with).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Report {
+    /// The cost asked for is the cost.
+    Now,
+    /// Check now, charge later: a ticket for each charged request.
+    Later,
+}
+
+/// Whether the requests' owner could be reached.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Reach {
+    /// This node owns them, or forwarding is not needed.
+    Owner,
+    /// No owner answered: each route's failure policy decides.
+    Unreachable,
+}
+
+impl Reach {
+    /// `Unreachable` when `unreachable`.
+    pub fn of(unreachable: bool) -> Self {
+        if unreachable { Self::Unreachable } else { Self::Owner }
+    }
+}
+
 /// What a cost report did.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Settlement {
@@ -295,20 +330,23 @@ impl Owner {
         }
         let keys = &remote.keys;
         let cost = if chain.dry_run { 0 } else { chain.cost };
+        let lost = || ServerError::Unavailable("a slice is not one of the chain's levels".into());
         let refuse = |key: &SliceKey, wait: Nanos| {
             let level = chain
                 .levels()
                 .find(|l| l.scope == key.0 && *l.key.route == *key.1)
-                .expect("a slice is one of the chain's levels");
+                .ok_or_else(lost)?;
             let decision = Decision::Rejected {
                 reason: level.scope.reason(),
                 scope: level.scope,
                 limit: Some(*level.rule.limit),
                 retry_after: wait,
             };
-            (Verdict { decision, shadow: chain.shadow }, Charged { at: now, hold: 0 })
+            Ok((Verdict { decision, shadow: chain.shadow }, Charged { at: now, hold: 0 }))
         };
-        let mut last = keys[0].clone();
+        let Some(mut last) = keys.first().cloned() else {
+            return self.store.decide(req, chain, now).await;
+        };
         for _ in 0..3 {
             let now = self.clock.now();
             match cluster.slices().take(keys, cost, now) {
@@ -320,15 +358,15 @@ impl Owner {
                     return Ok((v, at));
                 }
                 Take::Short(key) => {
-                    let owner = remote.owner(&key).expect("one of ours");
+                    let owner = remote.owner(&key).ok_or_else(lost)?;
                     cluster.refill(&key, owner, req.tenant, chain.cost, chain.cost).await?;
                     last = key;
                 }
-                Take::Denied(key, wait) => return Ok(refuse(&key, wait)),
+                Take::Denied(key, wait) => return refuse(&key, wait),
             }
         }
         // Other requests took every refill first: the owner has little to spare.
-        Ok(refuse(&last, 1_000_000))
+        refuse(&last, 1_000_000)
     }
 
     /// The active policy and its reload state.
@@ -374,9 +412,7 @@ impl Owner {
         metrics::gauge!(m::READY).set(if ready { 1.0 } else { 0.0 });
     }
 
-    /// Decides `requests` in order. With `all_or_nothing`, a rejection refunds what the
-    /// requests before it were charged (Envoy's descriptors: one HTTP request, so
-    /// either every descriptor is charged or none). `report_later` asks for tickets.
+    /// Decides `requests` in order (their owner is this node). See [`Self::decide_with`].
     ///
     /// # Errors
     ///
@@ -385,10 +421,10 @@ impl Owner {
         &self,
         api: Api,
         requests: &[Request<'_>],
-        all_or_nothing: bool,
-        report_later: bool,
+        charge: Charge,
+        report: Report,
     ) -> Result<Vec<Outcome>, (usize, ServerError)> {
-        self.decide_with(api, requests, all_or_nothing, report_later, false).await
+        self.decide_with(api, requests, charge, report, Reach::Owner).await
     }
 
     /// Checks that every request can be resolved against the active policy.
@@ -407,20 +443,25 @@ impl Owner {
         Ok(())
     }
 
-    /// Like [`Self::decide`]; with `unreachable`, the requests' owner could not be
-    /// reached, and each route's failure policy decides.
+    /// Decides `requests` in order. With [`Charge::AllOrNothing`], a rejection refunds
+    /// what the requests before it were charged (Envoy's descriptors: one HTTP
+    /// request, so either every descriptor is charged or none); [`Report::Later`]
+    /// gives admitted requests a ticket to report their actual cost with; with
+    /// [`Reach::Unreachable`], the requests' owner could not be reached, and each
+    /// route's failure policy decides.
     ///
     /// # Errors
     ///
-    /// As [`Self::decide`].
+    /// The first request that can never succeed, by index; or an unreachable store.
     pub async fn decide_with(
         &self,
         api: Api,
         requests: &[Request<'_>],
-        all_or_nothing: bool,
-        report_later: bool,
-        unreachable: bool,
+        charge: Charge,
+        report: Report,
+        reach: Reach,
     ) -> Result<Vec<Outcome>, (usize, ServerError)> {
+        let unreachable = reach == Reach::Unreachable;
         let started = self.clock.now();
         let active = self.policies.current();
         let mut chains: Vec<Chain<'_>> = Vec::with_capacity(requests.len());
@@ -480,8 +521,8 @@ impl Owner {
             let limit_name = scope
                 .and_then(|s| chain.levels().find(|l| l.scope == s))
                 .map(|l| l.rule.name.clone());
-            let ticket =
-                (report_later && charged > 0).then(|| self.tickets.issue(req, charged_at, charged));
+            let ticket = (report == Report::Later && charged > 0)
+                .then(|| self.tickets.issue(req, charged_at, charged));
             outcomes.push(Outcome {
                 verdict,
                 charged,
@@ -493,7 +534,7 @@ impl Owner {
             });
         }
         let rejected = outcomes.iter().any(|o| !o.verdict.admitted());
-        if all_or_nothing && rejected {
+        if charge == Charge::AllOrNothing && rejected {
             for (o, chain) in outcomes.iter_mut().zip(&chains) {
                 if o.charged > 0 {
                     let now = self.clock.now();

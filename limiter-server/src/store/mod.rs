@@ -73,6 +73,15 @@ pub struct Charged {
     pub hold: Nanos,
 }
 
+/// Which leased batches go back to Redis.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Returning {
+    /// Those past their end or idle (the periodic sweep).
+    Due,
+    /// Every one (shutdown).
+    All,
+}
+
 /// A store of counters.
 #[derive(Debug)]
 pub enum Store {
@@ -266,10 +275,10 @@ impl Store {
         }
     }
 
-    /// Gives back the units of batches past their end or idle (`all`: every batch,
-    /// at shutdown). Nothing to do for memory.
-    pub async fn return_batches(&self, policy: &Policy, now: Nanos, all: bool) {
+    /// Gives back the units of the batches `which` names. Nothing to do for memory.
+    pub async fn return_batches(&self, policy: &Policy, now: Nanos, which: Returning) {
         if let Self::Redis(r) = self {
+            let all = which == Returning::All;
             r.batches.flush(&r.store, policy, now, r.clock.now(), all).await;
         }
     }

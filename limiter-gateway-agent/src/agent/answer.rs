@@ -1,0 +1,99 @@
+//! What the agent answers: a decision's outcome, where it came from, and the agent's counts.
+
+use limiter_core::clock::Nanos;
+use limiter_core::{Reason, Scope};
+
+/// Where a decision was made.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Source {
+    /// From the local leased balance.
+    Local,
+    /// By the owner (a grant for a waiting request, or a direct decision).
+    Owner,
+    /// By the route's failure policy (owner unreachable).
+    Fallback,
+}
+
+/// A limit as the agent reports it (for headers).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LimitInfo {
+    /// Its name.
+    pub name: String,
+    /// Units per window.
+    pub quota: u64,
+    /// The window.
+    pub window: Nanos,
+}
+
+/// The agent's answer.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Outcome {
+    /// Whether the request goes through.
+    pub allowed: bool,
+    /// Why not (or, in shadow mode, why it would not have).
+    pub reason: Option<Reason>,
+    /// The level that decided, when known.
+    pub scope: Option<Scope>,
+    /// Units left (locally, for a local decision).
+    pub remaining: u64,
+    /// When rejected: how long until the same request could be admitted.
+    pub retry_after: Nanos,
+    /// The binding limit, when the owner said.
+    pub limit: Option<LimitInfo>,
+    /// Where it was decided.
+    pub source: Source,
+}
+
+impl Outcome {
+    pub(super) fn local(remaining: u64) -> Self {
+        Self {
+            allowed: true,
+            reason: None,
+            scope: None,
+            remaining,
+            retry_after: 0,
+            limit: None,
+            source: Source::Local,
+        }
+    }
+
+    pub(super) fn rejected(reason: Reason, retry_after: Nanos, source: Source) -> Self {
+        Self {
+            allowed: false,
+            reason: Some(reason),
+            scope: None,
+            remaining: 0,
+            retry_after,
+            limit: None,
+            source,
+        }
+    }
+}
+
+/// One request as the agent sees it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct AgentRequest<'a> {
+    /// Tenant.
+    pub tenant: &'a str,
+    /// Route.
+    pub route: &'a str,
+    /// Key, if any.
+    pub key: Option<&'a str>,
+    /// Units; at least 1.
+    pub cost: u64,
+}
+
+/// Counters of what the agent did.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct AgentStats {
+    /// Decisions made from the local balance.
+    pub local: u64,
+    /// Decisions that needed the owner (slow path).
+    pub slow: u64,
+    /// Decisions made by the failure policy.
+    pub fallback: u64,
+    /// Calls to the owner (slow path and renewals).
+    pub owner_calls: u64,
+    /// Calls that failed or timed out.
+    pub failed_calls: u64,
+}

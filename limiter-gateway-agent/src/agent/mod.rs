@@ -1,0 +1,232 @@
+//! The agent: local decisions from leased balances, a slow path to the owner, a
+//! background renewer, and the failure policy when the owner cannot be reached.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use limiter_core::clock::Clock;
+use limiter_core::failure::{Breaker, EmergencyCeilings};
+use limiter_core::policy::FailurePolicy;
+use limiter_core::ring::Ring;
+use limiter_proto::connect::AuthChannel;
+use limiter_proto::limiter::v1::rate_limiter_client::RateLimiterClient;
+use parking_lot::Mutex;
+use tokio_util::sync::CancellationToken;
+
+use crate::config::AgentConfig;
+use crate::error::AgentError;
+use crate::slot::{Balance, Spend};
+
+mod answer;
+mod clock;
+mod owner;
+mod renew;
+mod slots;
+mod wire;
+
+pub use self::answer::{AgentRequest, AgentStats, LimitInfo, Outcome, Source};
+pub use self::clock::FastClock;
+use self::renew::*;
+use self::slots::*;
+use self::wire::*;
+
+struct Inner {
+    config: AgentConfig,
+    clock: Arc<dyn Clock>,
+    client: RateLimiterClient<AuthChannel>,
+    slots: Slots,
+    breaker: Breaker,
+    /// Failure policies learned from the owner's grants, by route.
+    routes: Mutex<HashMap<Box<str>, FailurePolicy>>,
+    /// Emergency ceilings of fail-open routes, by route.
+    ceilings: EmergencyCeilings,
+    wake: Arc<tokio::sync::Notify>,
+    cancel: CancellationToken,
+    stats: [AtomicU64; 4],
+    /// The ring as the owner endpoint last described it (ring routing only).
+    ring: Mutex<Option<Arc<Ring>>>,
+    /// Clients of the ring's members, by address.
+    members: Mutex<HashMap<Arc<str>, RateLimiterClient<AuthChannel>>>,
+    /// Wakes the topology task (a redirect was seen).
+    stale: Arc<tokio::sync::Notify>,
+}
+
+impl Drop for Inner {
+    fn drop(&mut self) {
+        self.cancel.cancel();
+    }
+}
+
+const SLOW: usize = 0;
+const FALLBACK: usize = 1;
+const CALLS: usize = 2;
+const FAILED: usize = 3;
+
+/// An embedded rate-limit agent; cheap to clone.
+///
+/// Dropping every clone stops its background task without returning its leases
+/// (like a crash: the owner writes them off at their end); call
+/// [`Agent::shutdown`] to give them back first.
+#[derive(Clone)]
+pub struct Agent {
+    inner: Arc<Inner>,
+}
+
+impl std::fmt::Debug for Agent {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Agent").field("id", &self.inner.config.agent_id).finish_non_exhaustive()
+    }
+}
+
+impl Agent {
+    /// An agent for `config` on the production clock. Connects lazily: the owner
+    /// may be down at start (requests then follow their failure policy).
+    ///
+    /// # Errors
+    ///
+    /// An invalid owner endpoint.
+    pub fn new(config: AgentConfig) -> Result<Self, AgentError> {
+        Self::with_clock(config, Arc::new(FastClock::default()))
+    }
+
+    /// Like [`Agent::new`] with a given clock. Must be called within a tokio runtime.
+    ///
+    /// # Errors
+    ///
+    /// An invalid owner endpoint.
+    pub fn with_clock(config: AgentConfig, clock: Arc<dyn Clock>) -> Result<Self, AgentError> {
+        let timeout = config.rpc_timeout;
+        let channel = config
+            .security
+            .connect_lazy(&config.owner, |e| e.connect_timeout(timeout).tcp_nodelay(true))
+            .map_err(|e| AgentError::Endpoint(format!("{}: {e}", config.owner)))?;
+        let client = RateLimiterClient::new(channel);
+        let inner = Arc::new(Inner {
+            breaker: Breaker::new(
+                u64::from(config.breaker_threshold),
+                nanos(config.probe_interval),
+            ),
+            config,
+            clock,
+            client,
+            slots: Slots::default(),
+            routes: Mutex::default(),
+            ceilings: EmergencyCeilings::default(),
+            wake: Arc::new(tokio::sync::Notify::new()),
+            cancel: CancellationToken::new(),
+            stats: Default::default(),
+            ring: Mutex::default(),
+            members: Mutex::default(),
+            stale: Arc::new(tokio::sync::Notify::new()),
+        });
+        tokio::spawn(renew_loop(Arc::downgrade(&inner), inner.wake.clone(), inner.cancel.clone()));
+        if inner.config.route_by_ring {
+            tokio::spawn(topology_loop(
+                Arc::downgrade(&inner),
+                inner.stale.clone(),
+                inner.cancel.clone(),
+            ));
+        }
+        Ok(Self { inner })
+    }
+
+    /// What the agent did so far.
+    pub fn stats(&self) -> AgentStats {
+        let s = |i: usize| self.inner.stats[i].load(Ordering::Relaxed);
+        let hits: u64 = self.inner.slots.all().iter().map(|slot| slot.balance.hits()).sum();
+        AgentStats {
+            local: hits,
+            slow: s(SLOW),
+            fallback: s(FALLBACK),
+            owner_calls: s(CALLS),
+            failed_calls: s(FAILED),
+        }
+    }
+
+    /// Whether the owner is considered unreachable (routes follow their policy).
+    pub fn in_fallback(&self) -> bool {
+        self.inner.breaker.is_open()
+    }
+
+    /// The fast path: a decision from the local balance, or `None` when the owner is
+    /// needed. Atomics only: no lock, no allocation, no await.
+    #[inline]
+    pub fn decide_local(&self, req: &AgentRequest<'_>) -> Option<Outcome> {
+        self.spend_local(req).map(Outcome::local)
+    }
+
+    /// The fast path at its leanest: spends `req.cost` from the local balance and
+    /// returns the units left, or `None` when the owner is needed.
+    #[inline]
+    pub fn spend_local(&self, req: &AgentRequest<'_>) -> Option<u64> {
+        let r = SlotRef { tenant: req.tenant, route: req.route, key: req.key.unwrap_or("") };
+        let spend = self
+            .inner
+            .slots
+            .with(&r, |slot| slot.balance.try_spend(self.inner.clock.now(), req.cost))?;
+        match spend {
+            Spend::Hit { remaining, renew } => {
+                if renew {
+                    self.inner.wake.notify_one();
+                }
+                Some(remaining)
+            }
+            Spend::Miss => None,
+        }
+    }
+
+    /// Decides a request: locally when the balance allows, else through the owner
+    /// (within the RPC timeout), else by the route's failure policy.
+    ///
+    /// # Errors
+    ///
+    /// A request that can never succeed (zero cost, empty names, a cost above a
+    /// limit's capacity).
+    pub async fn decide(&self, req: &AgentRequest<'_>) -> Result<Outcome, AgentError> {
+        if req.cost == 0 {
+            return Err(AgentError::Invalid("cost must be at least 1".to_owned()));
+        }
+        if req.tenant.is_empty() || req.route.is_empty() {
+            return Err(AgentError::Invalid("tenant and route must not be empty".to_owned()));
+        }
+        if let Some(o) = self.decide_local(req) {
+            return Ok(o);
+        }
+        let slot = self.slot(req);
+        self.inner.slow(&slot, req.cost).await
+    }
+
+    fn slot(&self, req: &AgentRequest<'_>) -> Arc<Slot> {
+        let r = SlotRef { tenant: req.tenant, route: req.route, key: req.key.unwrap_or("") };
+        self.inner.slots.get_or_insert(&r, || {
+            let slot = Slot {
+                key: SlotKey::new(req.tenant, req.route, r.key),
+                balance: Balance::default(),
+                lease: Arc::default(),
+            };
+            slot.balance.touch(self.inner.clock.now());
+            slot
+        })
+    }
+
+    /// Gives every held balance back to the owner (a stopping gateway).
+    pub async fn shutdown(&self) {
+        self.inner.cancel.cancel();
+        let slots = self.inner.slots.all();
+        let mut items = Vec::new();
+        let mut guards = Vec::new();
+        for slot in &slots {
+            let mut g = slot.lease.clone().lock_owned().await;
+            if g.lease_id != 0 {
+                let unspent = slot.balance.clear();
+                items.push(self.inner.item(slot, g.lease_id, unspent, 0, 0, 0));
+                g.lease_id = 0;
+            }
+            guards.push(g);
+        }
+        if !items.is_empty() {
+            let _ = self.inner.call(items).await;
+        }
+    }
+}

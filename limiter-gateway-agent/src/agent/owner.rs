@@ -1,0 +1,305 @@
+//! The owner client: the slow path of one key, owner calls, grants installed, the failure policy.
+
+use super::*;
+use crate::error::AgentError;
+use crate::slot::Spend;
+use limiter_core::clock::{NANOS_PER_SEC, Nanos};
+use limiter_core::ring::{Member, Ring};
+use limiter_core::{Decision, Reason};
+use limiter_proto::connect::AuthChannel;
+use limiter_proto::limiter::v1 as pb;
+use limiter_proto::limiter::v1::rate_limiter_client::RateLimiterClient;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+
+impl Inner {
+    pub(super) fn item(
+        &self,
+        slot: &Slot,
+        lease_id: u64,
+        unspent: u64,
+        want: u64,
+        cost: u64,
+        demand: u64,
+    ) -> pb::LeaseItem {
+        let (tenant, route, key) = slot.key.parts();
+        pb::LeaseItem {
+            tenant: tenant.to_owned(),
+            route: route.to_owned(),
+            key: key.to_owned(),
+            lease_id,
+            unspent,
+            want,
+            cost,
+            demand_per_sec: demand,
+            level: 0,
+        }
+    }
+
+    /// One call to the owner, with the RPC timeout; counts failures on the breaker.
+    /// With ring routing, one call per owner (at once), each key to its tenant's.
+    pub(super) async fn call(
+        &self,
+        items: Vec<pb::LeaseItem>,
+    ) -> Result<Vec<pb::LeaseGrant>, tonic::Status> {
+        self.stats[CALLS].fetch_add(1, Ordering::Relaxed);
+        let ring = self.ring.lock().clone();
+        let result = match ring {
+            Some(ring) => self.call_by_ring(&ring, items).await,
+            // Epoch 0: everything goes to one node, which forwards each item to its
+            // tenant's owner.
+            None => self.send(self.client.clone(), items, 0).await,
+        };
+        let healthy = match &result {
+            Ok(_) => true,
+            // A malformed request is ours, not the owner's trouble.
+            Err(s) => s.code() == tonic::Code::InvalidArgument,
+        };
+        if healthy {
+            if self.breaker.success() {
+                tracing::info!("owner reachable again: leaving fallback mode");
+                metrics::gauge!(crate::FALLBACK).set(0.0);
+            }
+        } else {
+            self.stats[FAILED].fetch_add(1, Ordering::Relaxed);
+            if self.breaker.failure(self.clock.now()) {
+                tracing::warn!("owner unreachable: routes follow their failure policy");
+                metrics::gauge!(crate::FALLBACK).set(1.0);
+            }
+        }
+        result
+    }
+
+    /// One lease call to one node, within the RPC timeout.
+    pub(super) async fn send(
+        &self,
+        mut client: RateLimiterClient<AuthChannel>,
+        items: Vec<pb::LeaseItem>,
+        epoch: u64,
+    ) -> Result<Vec<pb::LeaseGrant>, tonic::Status> {
+        let n = items.len();
+        let req = pb::LeaseRequest { agent_id: self.config.agent_id.clone(), items, epoch };
+        match tokio::time::timeout(self.config.rpc_timeout, client.lease(req)).await {
+            Ok(Ok(r)) if r.get_ref().grants.len() == n => Ok(r.into_inner().grants),
+            Ok(Ok(_)) => Err(tonic::Status::internal("owner answered the wrong number of grants")),
+            Ok(Err(s)) => Err(s),
+            Err(_) => Err(tonic::Status::deadline_exceeded("owner did not answer in time")),
+        }
+    }
+
+    /// The client of the node at `address`.
+    pub(super) fn member(
+        &self,
+        address: &Arc<str>,
+    ) -> Result<RateLimiterClient<AuthChannel>, tonic::Status> {
+        let mut members = self.members.lock();
+        if let Some(c) = members.get(address) {
+            return Ok(c.clone());
+        }
+        let timeout = self.config.rpc_timeout;
+        let channel = self
+            .config
+            .security
+            .connect_lazy(address, |e| e.connect_timeout(timeout).tcp_nodelay(true))
+            .map_err(|e| tonic::Status::internal(format!("member {address}: {e}")))?;
+        let c = RateLimiterClient::new(channel);
+        members.insert(address.clone(), c.clone());
+        Ok(c)
+    }
+
+    /// Sends each item to its tenant's owner (one call per owner, all at once). An
+    /// owner that names another (the ring moved), or that cannot be reached while
+    /// others can, gets its items sent through the owner endpoint instead, and the
+    /// ring is read again.
+    pub(super) async fn call_by_ring(
+        &self,
+        ring: &Ring,
+        items: Vec<pb::LeaseItem>,
+    ) -> Result<Vec<pb::LeaseGrant>, tonic::Status> {
+        let mut groups: Vec<(Arc<str>, Vec<usize>)> = Vec::new();
+        for (i, item) in items.iter().enumerate() {
+            let Some(owner) = ring.owner(&item.tenant) else {
+                return self.send(self.client.clone(), items, 0).await;
+            };
+            match groups.iter_mut().find(|(a, _)| *a == owner.address) {
+                Some((_, v)) => v.push(i),
+                None => groups.push((owner.address.clone(), vec![i])),
+            }
+        }
+        let mut calls = Vec::with_capacity(groups.len());
+        for (address, idx) in &groups {
+            let client = self.member(address)?;
+            let part: Vec<pb::LeaseItem> = idx.iter().map(|&i| items[i].clone()).collect();
+            calls.push(self.send(client, part, ring.epoch));
+        }
+        let mut out: Vec<Option<pb::LeaseGrant>> = vec![None; items.len()];
+        let mut redirected = Vec::new();
+        // The calls run together; each is bounded by the RPC timeout.
+        let answers = join_all(calls).await;
+        for ((address, idx), answer) in groups.iter().zip(answers) {
+            let via_endpoint = !self.config.owner.trim_end_matches('/').ends_with(&**address);
+            match answer {
+                Ok(grants) => {
+                    for (&i, g) in idx.iter().zip(grants) {
+                        if g.redirect.is_empty() {
+                            out[i] = Some(g);
+                        } else {
+                            redirected.push(i);
+                        }
+                    }
+                }
+                // An owner out of reach: its keys go through the endpoint, which
+                // forwards them or answers by each route's failure policy (one dead
+                // owner does not fail the other owners' keys).
+                Err(e) if via_endpoint => {
+                    tracing::debug!("owner unreachable ({e}); asking through the endpoint");
+                    redirected.extend(idx);
+                }
+                Err(e) => return Err(e),
+            }
+        }
+        if !redirected.is_empty() {
+            self.stale.notify_one();
+            let part: Vec<pb::LeaseItem> = redirected.iter().map(|&i| items[i].clone()).collect();
+            for (&i, g) in redirected.iter().zip(self.send(self.client.clone(), part, 0).await?) {
+                out[i] = Some(g);
+            }
+        }
+        Ok(out.into_iter().map(Option::unwrap_or_default).collect())
+    }
+
+    /// Reads the ring from the owner endpoint (kept as it was when that fails).
+    pub(super) async fn refresh_ring(&self) {
+        let mut client = self.client.clone();
+        let call = client.topology(pb::TopologyRequest::default());
+        let Ok(Ok(t)) = tokio::time::timeout(self.config.rpc_timeout, call).await else { return };
+        let t = t.into_inner();
+        if t.members.is_empty() || t.hashing != limiter_core::ring::HASHING {
+            return;
+        }
+        let members = t
+            .members
+            .into_iter()
+            .map(|m| Member { id: m.id.into(), address: m.address.into(), weight: m.weight })
+            .collect();
+        *self.ring.lock() = Some(Arc::new(Ring::new(t.epoch, members)));
+    }
+
+    /// Units to ask for: two renewal intervals of demand, at least `cost`.
+    pub(super) fn want(&self, demand_per_sec: u64, cost: u64) -> u64 {
+        let per_interval = u128::from(demand_per_sec)
+            * u128::from(nanos(self.config.renew_interval))
+            / u128::from(NANOS_PER_SEC);
+        u64::try_from(2 * per_interval).unwrap_or(u64::MAX).max(cost).max(1)
+    }
+
+    /// Installs a grant; `consume` units of it go to the request that waited for it.
+    pub(super) fn install(
+        &self,
+        slot: &Slot,
+        st: &mut LeaseState,
+        g: &pb::LeaseGrant,
+        sent_at: Nanos,
+        consume: u64,
+    ) {
+        if let Some(p) = &g.on_failure {
+            self.routes.lock().insert(slot.key.route().into(), failure_policy(p));
+        }
+        st.last_renew = sent_at;
+        st.installed = 0;
+        if g.mode() == pb::LeaseMode::Direct {
+            st.mode = Mode::Direct;
+            st.lease_id = 0;
+            slot.balance.clear();
+            return;
+        }
+        st.mode = Mode::Leased;
+        st.lease_id = g.lease_id;
+        if g.units == 0 {
+            slot.balance.clear();
+            return;
+        }
+        let hold = duration_nanos(g.hold.as_ref());
+        #[allow(
+            clippy::cast_possible_truncation,
+            clippy::cast_sign_loss,
+            clippy::cast_precision_loss
+        )]
+        let margin = (hold as f64 * self.config.deadline_margin) as u64;
+        st.sent_at = sent_at;
+        st.hold = hold;
+        let deadline = sent_at + hold.saturating_sub(margin.max(1));
+        st.installed = g.units - consume;
+        slot.balance.install(g.units - consume, deadline, (g.units / 4).max(1));
+    }
+
+    pub(super) fn fallback(&self, route: &str, cost: u64) -> Outcome {
+        self.stats[FALLBACK].fetch_add(1, Ordering::Relaxed);
+        let policy = self
+            .routes
+            .lock()
+            .get(route)
+            .copied()
+            .or_else(|| self.config.routes.get(route).copied())
+            .unwrap_or(self.config.default_failure);
+        match self.ceilings.decide(route, policy, cost, self.clock.now()) {
+            Decision::Allowed { remaining, .. } => {
+                Outcome { remaining, source: Source::Fallback, ..Outcome::local(remaining) }
+            }
+            Decision::Rejected { reason, retry_after, .. } => {
+                Outcome::rejected(reason, retry_after, Source::Fallback)
+            }
+        }
+    }
+
+    /// The slow path: one owner call for this key (others wait for it, then retry
+    /// locally), or the failure policy.
+    pub(super) async fn slow(&self, slot: &Arc<Slot>, cost: u64) -> Result<Outcome, AgentError> {
+        let mut st = slot.lease.lock().await;
+        let now = self.clock.now();
+        slot.balance.touch(now);
+        if let Spend::Hit { remaining, .. } = slot.balance.try_spend(now, cost) {
+            return Ok(Outcome::local(remaining));
+        }
+        self.stats[SLOW].fetch_add(1, Ordering::Relaxed);
+        if !self.breaker.allow(now) {
+            return Ok(self.fallback(slot.key.route(), cost));
+        }
+        let unspent = slot.balance.take();
+        // The waiting request is demand too.
+        let spent = st.installed.saturating_sub(unspent);
+        let demand = st.demand(now, spent + cost);
+        let want = if st.mode == Mode::Direct { 0 } else { self.want(demand, cost) };
+        let item = self.item(slot, st.lease_id, unspent, want, cost, demand);
+        st.lease_id = 0;
+        match self.call(vec![item]).await {
+            Ok(grants) => {
+                // An answer without the grant asked for is the owner's fault: fall back.
+                let Some(g) = grants.first() else {
+                    return Ok(self.fallback(slot.key.route(), cost));
+                };
+                if g.mode() == pb::LeaseMode::Direct {
+                    self.install(slot, &mut st, g, now, 0);
+                    return Ok(g.decision.as_ref().map_or_else(
+                        || Outcome::rejected(Reason::LimiterUnavailable, 0, Source::Owner),
+                        from_owner,
+                    ));
+                }
+                if g.units >= cost && g.units > 0 {
+                    self.install(slot, &mut st, g, now, cost);
+                    Ok(Outcome { source: Source::Owner, ..Outcome::local(g.units - cost) })
+                } else {
+                    self.install(slot, &mut st, g, now, 0);
+                    Ok(g.decision.as_ref().map_or_else(
+                        || Outcome::rejected(Reason::LimiterUnavailable, 0, Source::Owner),
+                        from_owner,
+                    ))
+                }
+            }
+            Err(s) if s.code() == tonic::Code::InvalidArgument => {
+                Err(AgentError::Invalid(s.message().to_owned()))
+            }
+            Err(_) => Ok(self.fallback(slot.key.route(), cost)),
+        }
+    }
+}

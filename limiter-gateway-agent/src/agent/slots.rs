@@ -1,0 +1,193 @@
+//! The slot map: one slot per (tenant, route, key), each with its local balance and its lease state, in shards that readers load without a lock.
+
+use crate::slot::Balance;
+use arc_swap::ArcSwap;
+use limiter_core::clock::{NANOS_PER_SEC, Nanos};
+use parking_lot::Mutex;
+use std::collections::HashMap;
+use std::hash::Hash;
+use std::sync::Arc;
+
+/// A key's names in one allocation: `tenant`, `route` and `key` back to back.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(super) struct SlotKey {
+    pub(super) text: Box<str>,
+    pub(super) tenant_len: u32,
+    pub(super) route_len: u32,
+}
+
+impl SlotKey {
+    pub(super) fn new(tenant: &str, route: &str, key: &str) -> Self {
+        let text = [tenant, route, key].concat().into_boxed_str();
+        let len = |s: &str| u32::try_from(s.len()).unwrap_or(u32::MAX);
+        Self { text, tenant_len: len(tenant), route_len: len(route) }
+    }
+
+    pub(super) fn parts(&self) -> (&str, &str, &str) {
+        let t = self.tenant_len as usize;
+        let r = t + self.route_len as usize;
+        (&self.text[..t], &self.text[t..r], &self.text[r..])
+    }
+
+    pub(super) fn route(&self) -> &str {
+        self.parts().1
+    }
+}
+
+/// The borrowed form a request looks a slot up with (no allocation).
+#[derive(Hash)]
+pub(super) struct SlotRef<'a> {
+    pub(super) tenant: &'a str,
+    pub(super) route: &'a str,
+    pub(super) key: &'a str,
+}
+
+impl SlotRef<'_> {
+    pub(super) fn matches(&self, k: &SlotKey) -> bool {
+        k.tenant_len as usize == self.tenant.len()
+            && k.route_len as usize == self.route.len()
+            && k.text.len() == self.tenant.len() + self.route.len() + self.key.len()
+            && k.parts() == (self.tenant, self.route, self.key)
+    }
+}
+
+impl SlotKey {
+    pub(super) fn as_ref(&self) -> SlotRef<'_> {
+        let (tenant, route, key) = self.parts();
+        SlotRef { tenant, route, key }
+    }
+}
+
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Mode {
+    #[default]
+    Unknown,
+    Leased,
+    Direct,
+}
+
+/// The slow-path side of a key's lease (behind an async mutex: one owner call per
+/// key at a time).
+#[derive(Debug, Default)]
+pub(super) struct LeaseState {
+    pub(super) lease_id: u64,
+    /// Units installed in the balance by the current grant (spent = installed - taken).
+    pub(super) installed: u64,
+    pub(super) sent_at: Nanos,
+    pub(super) hold: Nanos,
+    pub(super) mode: Mode,
+    pub(super) last_renew: Nanos,
+    pub(super) demand_per_sec: u64,
+}
+
+/// A key idle this many times `idle_after`, holding nothing, is forgotten.
+pub(super) const FORGET_AFTER_IDLE: u64 = 30;
+
+/// Assumed demand of a key seen for the first time, in units per second.
+pub(super) const FIRST_DEMAND: u64 = 1;
+
+impl LeaseState {
+    /// Updates the demand estimate with `spent` units since the last call: the rate
+    /// over that time, decaying by half when it drops.
+    pub(super) fn demand(&mut self, now: Nanos, spent: u64) -> u64 {
+        if self.last_renew == 0 {
+            self.last_renew = now;
+            self.demand_per_sec = FIRST_DEMAND.max(spent);
+            return self.demand_per_sec;
+        }
+        let elapsed = now.saturating_sub(self.last_renew).max(1);
+        let rate = u128::from(spent) * u128::from(NANOS_PER_SEC) / u128::from(elapsed);
+        self.demand_per_sec = u64::try_from(rate).unwrap_or(u64::MAX).max(self.demand_per_sec / 2);
+        self.demand_per_sec
+    }
+}
+
+#[derive(Debug)]
+pub(super) struct Slot {
+    pub(super) balance: Balance,
+    pub(super) key: SlotKey,
+    pub(super) lease: Arc<tokio::sync::Mutex<LeaseState>>,
+}
+
+pub(super) type SlotMap = hashbrown::HashTable<Arc<Slot>>;
+
+/// Shards of the key map: a read is a lock-free load of one shard's map; a new key
+/// copies one shard (copy-on-write), a sixty-fourth of the keys.
+pub(super) const SHARDS: usize = 64;
+
+pub(super) struct Slots {
+    pub(super) shards: Box<[ArcSwap<SlotMap>]>,
+    pub(super) hasher: hashbrown::DefaultHashBuilder,
+    pub(super) write: Mutex<()>,
+}
+
+impl Default for Slots {
+    fn default() -> Self {
+        Self {
+            shards: (0..SHARDS).map(|_| ArcSwap::default()).collect(),
+            hasher: hashbrown::DefaultHashBuilder::default(),
+            write: Mutex::new(()),
+        }
+    }
+}
+
+impl Slots {
+    #[inline]
+    pub(super) fn hash(&self, r: &SlotRef<'_>) -> u64 {
+        use std::hash::BuildHasher;
+        self.hasher.hash_one(r)
+    }
+
+    /// The shard of a hash: its high bits (each map probes with the low ones).
+    #[inline]
+    pub(super) fn shard(&self, hash: u64) -> &ArcSwap<SlotMap> {
+        &self.shards[(hash >> 58) as usize % SHARDS]
+    }
+
+    /// Applies `f` to the key's slot, if there is one, without taking a reference.
+    #[inline]
+    pub(super) fn with<T>(&self, r: &SlotRef<'_>, f: impl FnOnce(&Slot) -> T) -> Option<T> {
+        let hash = self.hash(r);
+        self.shard(hash).load().find(hash, |s| r.matches(&s.key)).map(|s| f(s))
+    }
+
+    pub(super) fn get_or_insert(&self, r: &SlotRef<'_>, make: impl FnOnce() -> Slot) -> Arc<Slot> {
+        let hash = self.hash(r);
+        let shard = self.shard(hash);
+        if let Some(s) = shard.load().find(hash, |s| r.matches(&s.key)) {
+            return s.clone();
+        }
+        let _w = self.write.lock();
+        let current = shard.load_full();
+        if let Some(s) = current.find(hash, |s| r.matches(&s.key)) {
+            return s.clone();
+        }
+        let slot = Arc::new(make());
+        let mut next = SlotMap::clone(&current);
+        next.insert_unique(hash, slot.clone(), |s| self.hash(&s.key.as_ref()));
+        shard.store(Arc::new(next));
+        slot
+    }
+
+    pub(super) fn all(&self) -> Vec<Arc<Slot>> {
+        self.shards.iter().flat_map(|s| s.load().iter().cloned().collect::<Vec<_>>()).collect()
+    }
+
+    pub(super) fn remove(&self, slots: &[Arc<Slot>]) {
+        let mut by_shard: HashMap<usize, Vec<(u64, &Arc<Slot>)>> = HashMap::new();
+        for s in slots {
+            let hash = self.hash(&s.key.as_ref());
+            by_shard.entry((hash >> 58) as usize % SHARDS).or_default().push((hash, s));
+        }
+        let _w = self.write.lock();
+        for (i, gone) in by_shard {
+            let mut next = SlotMap::clone(&self.shards[i].load_full());
+            for (hash, s) in gone {
+                if let Ok(e) = next.find_entry(hash, |x| Arc::ptr_eq(x, s)) {
+                    e.remove();
+                }
+            }
+            self.shards[i].store(Arc::new(next));
+        }
+    }
+}

@@ -13,10 +13,14 @@ use limiter_core::key::MAX_NAME_LEN;
 use limiter_core::policy::NameBounds;
 use serde::Deserialize;
 
+pub mod cluster;
 pub mod redis;
 pub mod security;
 
-use self::redis::{PoolKind, RedisClock, RedisSettings};
+pub use self::cluster::{ClusterConfig, Membership, Peer};
+use self::cluster::{RawCluster, cluster_config};
+pub use self::redis::StoreKind;
+use self::redis::{RawRedis, redis_settings};
 
 /// Exit status for bad configuration (`EX_CONFIG`... `EX_USAGE` in sysexits: 64).
 pub const EXIT_BAD_CONFIG: i32 = 64;
@@ -45,50 +49,11 @@ struct RawDashboard {
 
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
-struct RawCluster {
-    membership: String,
-    node_id: String,
-    advertise: String,
-    weight: i64,
-    peers: String,
-    health_interval_ms: i64,
-    fail_after: i64,
-    recover_after: i64,
-    registry_url: String,
-    registry_key: String,
-    registry_ttl_ms: i64,
-    registry_poll_ms: i64,
-    forward_timeout_ms: i64,
-    handoff_timeout_ms: i64,
-    fence_ms: i64,
-    slice_ttl_ms: i64,
-    insecure_peers: bool,
-}
-
-#[derive(Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
 struct RawStore {
     kind: String,
     max_keys: i64,
     sweep_interval_ms: i64,
     redis: RawRedis,
-}
-
-#[derive(Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
-struct RawRedis {
-    url: String,
-    cluster_nodes: String,
-    connections: i64,
-    pool: String,
-    tls_ca_file: String,
-    connect_timeout_ms: i64,
-    command_timeout_ms: i64,
-    breaker_threshold: i64,
-    probe_interval_ms: i64,
-    key_prefix: String,
-    clock: String,
-    batches: bool,
 }
 
 #[derive(Debug, Deserialize)]
@@ -331,167 +296,6 @@ pub struct ServerConfig {
     pub security: security::SecurityConfig,
 }
 
-/// Where the ring's members come from.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Membership {
-    /// This node alone (`none`, the default).
-    Single,
-    /// A fixed list of peers, health-checked (`static`, with `cluster.peers`).
-    Static(Vec<Peer>),
-    /// A Redis registry every node renews its entry in (`redis`).
-    Registry {
-        /// `redis://` or `rediss://` URL.
-        url: String,
-        /// The registry's key (a sorted set) and the epoch's key (with `:epoch`).
-        key: String,
-        /// An entry not renewed for this long leaves the ring.
-        ttl: Duration,
-        /// How often a node renews its entry and reads the ring.
-        poll: Duration,
-    },
-}
-
-/// A statically listed node.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Peer {
-    /// Its id.
-    pub id: String,
-    /// Its gRPC `host:port`.
-    pub address: String,
-    /// Its weight.
-    pub weight: u32,
-}
-
-/// The `cluster` section.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct ClusterConfig {
-    /// Where members come from.
-    pub membership: Membership,
-    /// This node's id (default: its advertised address).
-    pub node_id: String,
-    /// The address peers and agents reach this node's gRPC port at (default: `listen`).
-    pub advertise: String,
-    /// This node's weight.
-    pub weight: u32,
-    /// Static membership: how often each peer is checked.
-    pub health_interval: Duration,
-    /// Consecutive failed checks before a peer leaves the ring.
-    pub fail_after: u32,
-    /// Consecutive good checks before it comes back.
-    pub recover_after: u32,
-    /// Deadline of a forwarded call.
-    pub forward_timeout: Duration,
-    /// How long a new owner waits for the old owner's counters in a planned move.
-    pub handoff_timeout: Duration,
-    /// How long a dead node's tenants are fenced (0: the longest lease or slice TTL
-    /// the policy can issue).
-    pub fence: Duration,
-    /// How long a slice of a root key leased from its owner lasts.
-    pub slice_ttl: Duration,
-    /// The operator accepts a cluster whose gRPC port authenticates nobody, where any
-    /// client can pass for a peer (hand off counters, send forwarded calls).
-    pub insecure_peers: bool,
-}
-
-/// Parses `id=host:port[*weight],...`.
-fn parse_peers(errors: &mut Vec<String>, text: &str) -> Vec<Peer> {
-    let mut peers = Vec::new();
-    for part in text.split(',').map(str::trim).filter(|p| !p.is_empty()) {
-        let Some((id, rest)) = part.split_once('=') else {
-            errors.push(format!("cluster.peers: expected `id=host:port[*weight]`, found `{part}`"));
-            continue;
-        };
-        let (address, weight) = match rest.split_once('*') {
-            Some((a, w)) => (a, w.parse::<u32>().ok().filter(|w| *w > 0)),
-            None => (rest, Some(1)),
-        };
-        let Some(weight) = weight else {
-            errors.push(format!("cluster.peers: `{part}`: the weight must be a positive integer"));
-            continue;
-        };
-        if id.trim().is_empty() || !address.contains(':') {
-            errors.push(format!("cluster.peers: `{part}`: expected `id=host:port[*weight]`"));
-            continue;
-        }
-        peers.push(Peer { id: id.trim().to_owned(), address: address.trim().to_owned(), weight });
-    }
-    peers
-}
-
-fn cluster_config(errors: &mut Vec<String>, c: &RawCluster, listen: &str) -> ClusterConfig {
-    let advertise = if c.advertise.is_empty() { listen.to_owned() } else { c.advertise.clone() };
-    let node_id = if c.node_id.is_empty() { advertise.clone() } else { c.node_id.clone() };
-    let membership = match c.membership.as_str() {
-        "none" => Membership::Single,
-        "static" => {
-            let peers = parse_peers(errors, &c.peers);
-            if peers.is_empty() {
-                errors.push("cluster.peers: static membership needs at least one peer".to_owned());
-            }
-            Membership::Static(peers)
-        }
-        "redis" => {
-            if !(c.registry_url.starts_with("redis://") || c.registry_url.starts_with("rediss://"))
-            {
-                errors.push(format!(
-                    "cluster.registry_url: expected redis:// or rediss://, found `{}`",
-                    c.registry_url
-                ));
-            }
-            if c.registry_key.is_empty() {
-                errors.push("cluster.registry_key: must not be empty".to_owned());
-            }
-            let ttl = millis(errors, "cluster.registry_ttl_ms", c.registry_ttl_ms, false);
-            let poll = millis(errors, "cluster.registry_poll_ms", c.registry_poll_ms, false);
-            if poll * 2 > ttl {
-                errors.push(format!(
-                    "cluster.registry_poll_ms: must be at most half of registry_ttl_ms ({} ms), found {} ms",
-                    ttl.as_millis(),
-                    poll.as_millis()
-                ));
-            }
-            Membership::Registry {
-                url: c.registry_url.clone(),
-                key: c.registry_key.clone(),
-                ttl,
-                poll,
-            }
-        }
-        other => {
-            errors.push(format!(
-                "cluster.membership: expected `none`, `static` or `redis`, found `{other}`"
-            ));
-            Membership::Single
-        }
-    };
-    let count = |errors: &mut Vec<String>, name: &str, v: i64| {
-        u32::try_from(positive(errors, name, v, 1_000)).unwrap_or(1)
-    };
-    ClusterConfig {
-        membership,
-        node_id,
-        advertise,
-        weight: count(errors, "cluster.weight", c.weight),
-        health_interval: millis(errors, "cluster.health_interval_ms", c.health_interval_ms, false),
-        fail_after: count(errors, "cluster.fail_after", c.fail_after),
-        recover_after: count(errors, "cluster.recover_after", c.recover_after),
-        forward_timeout: millis(errors, "cluster.forward_timeout_ms", c.forward_timeout_ms, false),
-        handoff_timeout: millis(errors, "cluster.handoff_timeout_ms", c.handoff_timeout_ms, false),
-        fence: millis(errors, "cluster.fence_ms", c.fence_ms, true),
-        slice_ttl: millis(errors, "cluster.slice_ttl_ms", c.slice_ttl_ms, false),
-        insecure_peers: c.insecure_peers,
-    }
-}
-
-/// The store chosen in `store.kind`.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum StoreKind {
-    /// In the server's memory (`memory`, the default).
-    Memory,
-    /// In Redis (`redis`, settings under `store.redis`).
-    Redis(RedisSettings),
-}
-
 /// Every problem found in the configuration.
 #[derive(Debug, thiserror::Error)]
 #[error("invalid server configuration:\n  {}", .0.join("\n  "))]
@@ -557,7 +361,7 @@ pub(crate) fn comma_list(text: &str) -> Vec<String> {
     text.split(',').map(str::trim).filter(|n| !n.is_empty()).map(str::to_owned).collect()
 }
 
-fn positive(errors: &mut Vec<String>, name: &str, v: i64, max: i64) -> usize {
+pub(super) fn positive(errors: &mut Vec<String>, name: &str, v: i64, max: i64) -> usize {
     if v <= 0 || v > max {
         errors.push(format!("{name}: must be between 1 and {max}, found {v}"));
         return 1;
@@ -573,7 +377,7 @@ fn count_or_zero(errors: &mut Vec<String>, name: &str, v: i64) -> usize {
     positive(errors, name, v, 1 << 24)
 }
 
-fn millis(errors: &mut Vec<String>, name: &str, v: i64, allow_zero: bool) -> Duration {
+pub(super) fn millis(errors: &mut Vec<String>, name: &str, v: i64, allow_zero: bool) -> Duration {
     if v < 0 || (v == 0 && !allow_zero) {
         errors.push(format!(
             "{name}: must be {} milliseconds, found {v}",
@@ -582,77 +386,6 @@ fn millis(errors: &mut Vec<String>, name: &str, v: i64, allow_zero: bool) -> Dur
         return Duration::from_millis(1);
     }
     Duration::from_millis(u64::try_from(v).unwrap_or(0))
-}
-
-fn redis_settings(errors: &mut Vec<String>, r: &RawRedis) -> RedisSettings {
-    let url_ok = |u: &str| u.starts_with("redis://") || u.starts_with("rediss://");
-    if !url_ok(&r.url) {
-        errors.push(format!(
-            "store.redis.url: expected redis://[:password@]host:port or rediss:// (TLS), found `{}`",
-            r.url
-        ));
-    }
-    let cluster_nodes = comma_list(&r.cluster_nodes);
-    for n in cluster_nodes.iter().filter(|n| !url_ok(n)) {
-        errors.push(format!("store.redis.cluster_nodes: `{n}` is not a redis:// or rediss:// URL"));
-    }
-    if r.key_prefix.is_empty() || r.key_prefix.contains(['{', '}']) {
-        errors.push("store.redis.key_prefix: must be non-empty, without `{` or `}`".to_owned());
-    }
-    let clock = match r.clock.as_str() {
-        "redis" => RedisClock::Redis,
-        "server" => RedisClock::Server,
-        other => {
-            errors
-                .push(format!("store.redis.clock: expected `redis` or `server`, found `{other}`"));
-            RedisClock::Redis
-        }
-    };
-    let pool = match r.pool.as_str() {
-        "multiplexed" => PoolKind::Multiplexed,
-        "bb8" => PoolKind::Bb8,
-        other => {
-            errors.push(format!(
-                "store.redis.pool: expected `multiplexed` or `bb8`, found `{other}`"
-            ));
-            PoolKind::Multiplexed
-        }
-    };
-    let tls_ca_file = Some(r.tls_ca_file.trim()).filter(|f| !f.is_empty()).map(PathBuf::from);
-    if let Some(f) = &tls_ca_file
-        && !f.is_file()
-    {
-        errors.push(format!("store.redis.tls_ca_file: `{}` is not a readable file", f.display()));
-    }
-    RedisSettings {
-        url: r.url.clone(),
-        pool,
-        tls_ca_file,
-        cluster_nodes,
-        connections: positive(errors, "store.redis.connections", r.connections, 64),
-        connect_timeout: millis(
-            errors,
-            "store.redis.connect_timeout_ms",
-            r.connect_timeout_ms,
-            false,
-        ),
-        command_timeout: millis(
-            errors,
-            "store.redis.command_timeout_ms",
-            r.command_timeout_ms,
-            false,
-        ),
-        breaker_threshold: positive(
-            errors,
-            "store.redis.breaker_threshold",
-            r.breaker_threshold,
-            1_000,
-        ) as u64,
-        probe_interval: millis(errors, "store.redis.probe_interval_ms", r.probe_interval_ms, false),
-        key_prefix: r.key_prefix.clone(),
-        clock,
-        batches: r.batches,
-    }
 }
 
 impl TryFrom<Raw> for ServerConfig {

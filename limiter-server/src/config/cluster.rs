@@ -1,0 +1,186 @@
+//! The `cluster` section: where members come from, this node's place, and the
+//! timings of forwards, handoffs, fences and slices.
+
+use std::time::Duration;
+
+use serde::Deserialize;
+
+use super::{millis, positive};
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawCluster {
+    pub(super) membership: String,
+    pub(super) node_id: String,
+    pub(super) advertise: String,
+    pub(super) weight: i64,
+    pub(super) peers: String,
+    pub(super) health_interval_ms: i64,
+    pub(super) fail_after: i64,
+    pub(super) recover_after: i64,
+    pub(super) registry_url: String,
+    pub(super) registry_key: String,
+    pub(super) registry_ttl_ms: i64,
+    pub(super) registry_poll_ms: i64,
+    pub(super) forward_timeout_ms: i64,
+    pub(super) handoff_timeout_ms: i64,
+    pub(super) fence_ms: i64,
+    pub(super) slice_ttl_ms: i64,
+    pub(super) insecure_peers: bool,
+}
+
+/// Where the ring's members come from.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Membership {
+    /// This node alone (`none`, the default).
+    Single,
+    /// A fixed list of peers, health-checked (`static`, with `cluster.peers`).
+    Static(Vec<Peer>),
+    /// A Redis registry every node renews its entry in (`redis`).
+    Registry {
+        /// `redis://` or `rediss://` URL.
+        url: String,
+        /// The registry's key (a sorted set) and the epoch's key (with `:epoch`).
+        key: String,
+        /// An entry not renewed for this long leaves the ring.
+        ttl: Duration,
+        /// How often a node renews its entry and reads the ring.
+        poll: Duration,
+    },
+}
+
+/// A statically listed node.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Peer {
+    /// Its id.
+    pub id: String,
+    /// Its gRPC `host:port`.
+    pub address: String,
+    /// Its weight.
+    pub weight: u32,
+}
+
+/// The `cluster` section.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ClusterConfig {
+    /// Where members come from.
+    pub membership: Membership,
+    /// This node's id (default: its advertised address).
+    pub node_id: String,
+    /// The address peers and agents reach this node's gRPC port at (default: `listen`).
+    pub advertise: String,
+    /// This node's weight.
+    pub weight: u32,
+    /// Static membership: how often each peer is checked.
+    pub health_interval: Duration,
+    /// Consecutive failed checks before a peer leaves the ring.
+    pub fail_after: u32,
+    /// Consecutive good checks before it comes back.
+    pub recover_after: u32,
+    /// Deadline of a forwarded call.
+    pub forward_timeout: Duration,
+    /// How long a new owner waits for the old owner's counters in a planned move.
+    pub handoff_timeout: Duration,
+    /// How long a dead node's tenants are fenced (0: the longest lease or slice TTL
+    /// the policy can issue).
+    pub fence: Duration,
+    /// How long a slice of a root key leased from its owner lasts.
+    pub slice_ttl: Duration,
+    /// The operator accepts a cluster whose gRPC port authenticates nobody, where any
+    /// client can pass for a peer (hand off counters, send forwarded calls).
+    pub insecure_peers: bool,
+}
+
+/// Parses `id=host:port[*weight],...`.
+fn parse_peers(errors: &mut Vec<String>, text: &str) -> Vec<Peer> {
+    let mut peers = Vec::new();
+    for part in text.split(',').map(str::trim).filter(|p| !p.is_empty()) {
+        let Some((id, rest)) = part.split_once('=') else {
+            errors.push(format!("cluster.peers: expected `id=host:port[*weight]`, found `{part}`"));
+            continue;
+        };
+        let (address, weight) = match rest.split_once('*') {
+            Some((a, w)) => (a, w.parse::<u32>().ok().filter(|w| *w > 0)),
+            None => (rest, Some(1)),
+        };
+        let Some(weight) = weight else {
+            errors.push(format!("cluster.peers: `{part}`: the weight must be a positive integer"));
+            continue;
+        };
+        if id.trim().is_empty() || !address.contains(':') {
+            errors.push(format!("cluster.peers: `{part}`: expected `id=host:port[*weight]`"));
+            continue;
+        }
+        peers.push(Peer { id: id.trim().to_owned(), address: address.trim().to_owned(), weight });
+    }
+    peers
+}
+
+pub(super) fn cluster_config(
+    errors: &mut Vec<String>,
+    c: &RawCluster,
+    listen: &str,
+) -> ClusterConfig {
+    let advertise = if c.advertise.is_empty() { listen.to_owned() } else { c.advertise.clone() };
+    let node_id = if c.node_id.is_empty() { advertise.clone() } else { c.node_id.clone() };
+    let membership = match c.membership.as_str() {
+        "none" => Membership::Single,
+        "static" => {
+            let peers = parse_peers(errors, &c.peers);
+            if peers.is_empty() {
+                errors.push("cluster.peers: static membership needs at least one peer".to_owned());
+            }
+            Membership::Static(peers)
+        }
+        "redis" => {
+            if !(c.registry_url.starts_with("redis://") || c.registry_url.starts_with("rediss://"))
+            {
+                errors.push(format!(
+                    "cluster.registry_url: expected redis:// or rediss://, found `{}`",
+                    c.registry_url
+                ));
+            }
+            if c.registry_key.is_empty() {
+                errors.push("cluster.registry_key: must not be empty".to_owned());
+            }
+            let ttl = millis(errors, "cluster.registry_ttl_ms", c.registry_ttl_ms, false);
+            let poll = millis(errors, "cluster.registry_poll_ms", c.registry_poll_ms, false);
+            if poll * 2 > ttl {
+                errors.push(format!(
+                    "cluster.registry_poll_ms: must be at most half of registry_ttl_ms ({} ms), found {} ms",
+                    ttl.as_millis(),
+                    poll.as_millis()
+                ));
+            }
+            Membership::Registry {
+                url: c.registry_url.clone(),
+                key: c.registry_key.clone(),
+                ttl,
+                poll,
+            }
+        }
+        other => {
+            errors.push(format!(
+                "cluster.membership: expected `none`, `static` or `redis`, found `{other}`"
+            ));
+            Membership::Single
+        }
+    };
+    let count = |errors: &mut Vec<String>, name: &str, v: i64| {
+        u32::try_from(positive(errors, name, v, 1_000)).unwrap_or(1)
+    };
+    ClusterConfig {
+        membership,
+        node_id,
+        advertise,
+        weight: count(errors, "cluster.weight", c.weight),
+        health_interval: millis(errors, "cluster.health_interval_ms", c.health_interval_ms, false),
+        fail_after: count(errors, "cluster.fail_after", c.fail_after),
+        recover_after: count(errors, "cluster.recover_after", c.recover_after),
+        forward_timeout: millis(errors, "cluster.forward_timeout_ms", c.forward_timeout_ms, false),
+        handoff_timeout: millis(errors, "cluster.handoff_timeout_ms", c.handoff_timeout_ms, false),
+        fence: millis(errors, "cluster.fence_ms", c.fence_ms, true),
+        slice_ttl: millis(errors, "cluster.slice_ttl_ms", c.slice_ttl_ms, false),
+        insecure_peers: c.insecure_peers,
+    }
+}

@@ -3,9 +3,10 @@
 
 mod common;
 
+use common::envoy::{descriptor, header};
+
 use common::{Backend, TestServer};
 use limiter_proto::envoy::extensions::common::ratelimit::v3::RateLimitDescriptor;
-use limiter_proto::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::Entry;
 use limiter_proto::envoy::service::ratelimit::v3::rate_limit_response::{Code, rate_limit::Unit};
 use limiter_proto::envoy::service::ratelimit::v3::{RateLimitRequest, RateLimitResponse};
 use tonic::Code as Grpc;
@@ -20,23 +21,8 @@ tenants:
     per_key: { algorithm: token_bucket, rate: 2/s, burst: 4, name: per-user }
 ";
 
-fn descriptor(entries: &[(&str, &str)], hits: Option<u64>) -> RateLimitDescriptor {
-    RateLimitDescriptor {
-        entries: entries
-            .iter()
-            .map(|(k, v)| Entry { key: (*k).into(), value: (*v).into() })
-            .collect(),
-        limit: None,
-        hits_addend: hits,
-    }
-}
-
 fn request(descriptors: Vec<RateLimitDescriptor>, hits: u32) -> RateLimitRequest {
     RateLimitRequest { domain: "shop".into(), descriptors, hits_addend: hits }
-}
-
-fn header<'a>(r: &'a RateLimitResponse, name: &str) -> Option<&'a str> {
-    r.response_headers_to_add.iter().find(|h| h.key == name).map(|h| h.value.as_str())
 }
 
 /// The tests, for one store.

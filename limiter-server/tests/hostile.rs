@@ -4,33 +4,19 @@
 
 mod common;
 
+use common::envoy::{descriptor, header};
+
 use std::time::Duration;
 
 use common::{TestServer, ask, ask_key, eventually};
 use limiter_proto::envoy::extensions::common::ratelimit::v3::RateLimitDescriptor;
-use limiter_proto::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::Entry;
 use limiter_proto::envoy::service::ratelimit::v3::rate_limit_response::Code;
 use limiter_proto::envoy::service::ratelimit::v3::{RateLimitRequest, RateLimitResponse};
 use limiter_proto::limiter::v1 as pb;
 use tonic::Code as Grpc;
 
-fn descriptor(entries: &[(&str, &str)], hits: Option<u64>) -> RateLimitDescriptor {
-    RateLimitDescriptor {
-        entries: entries
-            .iter()
-            .map(|(k, v)| Entry { key: (*k).into(), value: (*v).into() })
-            .collect(),
-        limit: None,
-        hits_addend: hits,
-    }
-}
-
 fn request(domain: &str, descriptors: Vec<RateLimitDescriptor>) -> RateLimitRequest {
     RateLimitRequest { domain: domain.into(), descriptors, hits_addend: 0 }
-}
-
-fn header<'a>(r: &'a RateLimitResponse, name: &str) -> Option<&'a str> {
-    r.response_headers_to_add.iter().find(|h| h.key == name).map(|h| h.value.as_str())
 }
 
 fn forwarded<T>(message: T) -> tonic::Request<T> {

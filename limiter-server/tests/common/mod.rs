@@ -13,6 +13,7 @@ use limiter_server::config::ServerConfig;
 use limiter_server::{Running, Server};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
+pub mod envoy;
 pub mod pki;
 pub mod process;
 pub mod redis;

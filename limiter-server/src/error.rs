@@ -29,9 +29,32 @@ pub enum ServerError {
     /// A bounded resource is exhausted for now.
     #[error("{0}")]
     Exhausted(String),
-    /// The limiter cannot decide (store down, draining).
+    /// The limiter cannot decide (draining, no owner, a lost slice).
     #[error("limiter unavailable: {0}")]
     Unavailable(String),
+    /// The store could not be reached.
+    #[error("limiter unavailable: {0}")]
+    Store(#[from] StoreError),
+}
+
+/// Why a call to the store failed (the Redis store; memory does not fail).
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    /// The circuit breaker is open: calls are refused at once until a probe answers.
+    #[error("redis circuit breaker open")]
+    BreakerOpen,
+    /// Redis answered with an error, or the connection failed.
+    #[error("redis: {0}")]
+    Redis(#[source] redis::RedisError),
+    /// No pooled connection could be had.
+    #[error("redis pool: {0}")]
+    Pool(#[source] bb8::RunError<redis::RedisError>),
+    /// No answer within the command timeout.
+    #[error("redis did not answer within {0:?}")]
+    Timeout(std::time::Duration),
+    /// An answer that is not what the script returns.
+    #[error("redis: malformed {0} reply")]
+    Malformed(&'static str),
 }
 
 impl ServerError {
@@ -46,7 +69,7 @@ impl ServerError {
             Self::Request(e) => e.field(),
             Self::Invalid { field, .. } => field,
             Self::TooLarge { what, .. } => what,
-            Self::Exhausted(_) | Self::Unavailable(_) => "none",
+            Self::Exhausted(_) | Self::Unavailable(_) | Self::Store(_) => "none",
         }
     }
 }
@@ -68,7 +91,9 @@ impl From<ServerError> for tonic::Status {
                 tonic::Status::invalid_argument(message)
             }
             ServerError::Exhausted(_) => tonic::Status::resource_exhausted(message),
-            ServerError::Unavailable(_) => tonic::Status::unavailable(message),
+            ServerError::Unavailable(_) | ServerError::Store(_) => {
+                tonic::Status::unavailable(message)
+            }
         }
     }
 }
@@ -89,7 +114,7 @@ pub fn element_status(
     }
     crate::metrics::count_invalid(api, e.field());
     match e {
-        ServerError::Unavailable(_) => e.into(),
+        ServerError::Unavailable(_) | ServerError::Store(_) => e.into(),
         e => tonic::Status::invalid_argument(format!(
             "{list}[{i}]: {}",
             tonic::Status::from(e).message()

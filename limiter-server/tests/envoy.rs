@@ -7,8 +7,8 @@ use common::envoy::{descriptor, header};
 
 use common::{Backend, TestServer};
 use limiter_proto::envoy::extensions::common::ratelimit::v3::RateLimitDescriptor;
+use limiter_proto::envoy::service::ratelimit::v3::RateLimitRequest;
 use limiter_proto::envoy::service::ratelimit::v3::rate_limit_response::{Code, rate_limit::Unit};
-use limiter_proto::envoy::service::ratelimit::v3::{RateLimitRequest, RateLimitResponse};
 use tonic::Code as Grpc;
 
 const POLICY: &str = r"

@@ -10,8 +10,8 @@ use std::time::Duration;
 
 use common::{TestServer, ask, ask_key, eventually};
 use limiter_proto::envoy::extensions::common::ratelimit::v3::RateLimitDescriptor;
+use limiter_proto::envoy::service::ratelimit::v3::RateLimitRequest;
 use limiter_proto::envoy::service::ratelimit::v3::rate_limit_response::Code;
-use limiter_proto::envoy::service::ratelimit::v3::{RateLimitRequest, RateLimitResponse};
 use limiter_proto::limiter::v1 as pb;
 use tonic::Code as Grpc;
 

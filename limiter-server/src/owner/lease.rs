@@ -454,7 +454,6 @@ impl Owner {
             charged: 0,
             limit_name: None,
             policy_version: self.policies().current().version,
-            decided_at: now,
             charged_at: crate::store::Charged { at: now, hold: 0 },
             ticket: None,
         };

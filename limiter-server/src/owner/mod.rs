@@ -48,8 +48,6 @@ pub struct Outcome {
     pub limit_name: Option<Arc<str>>,
     /// The policy version that decided.
     pub policy_version: u64,
-    /// When it was decided (clock nanoseconds).
-    pub decided_at: Nanos,
     /// When and for how long the store charged it (what a refund names).
     pub charged_at: Charged,
     /// A ticket to report the actual cost with, when asked for.
@@ -69,7 +67,6 @@ impl Outcome {
             charged: 0,
             limit_name: Some(limit_name),
             policy_version,
-            decided_at: now,
             charged_at: Charged { at: now, hold: 0 },
             ticket: None,
         }
@@ -483,7 +480,8 @@ impl Owner {
             let (verdict, fell_back, charged_at) = match decided {
                 Ok((v, at)) => (v, false, at),
                 // The store is away: the route's failure policy decides.
-                Err(ServerError::Unavailable(why)) => {
+                Err(e @ (ServerError::Unavailable(_) | ServerError::Store(_))) => {
+                    let why = e.to_string();
                     tracing::debug!(route = req.route, %why, "store unavailable: failure policy");
                     let label = active.counters.route_label(req.route);
                     self.fallback.lock().insert(label.into(), now);
@@ -528,7 +526,6 @@ impl Owner {
                 charged,
                 limit_name,
                 policy_version: active.version,
-                decided_at: now,
                 charged_at,
                 ticket,
             });

@@ -306,12 +306,4 @@ impl Store {
             Self::Redis(_) => 0,
         }
     }
-
-    /// The store's name in logs and labels.
-    pub fn kind(&self) -> &'static str {
-        match self {
-            Self::Memory(_) => "memory",
-            Self::Redis(_) => "redis",
-        }
-    }
 }

@@ -32,7 +32,7 @@ use redis::cluster_async::ClusterConnection;
 use tokio::sync::OnceCell;
 
 use super::Charged;
-use crate::error::ServerError;
+use crate::error::{ServerError, StoreError};
 use crate::metrics as m;
 
 /// The script Redis runs: the helpers, the four algorithms, then the driver.
@@ -266,11 +266,6 @@ impl RedisStore {
         &self.settings
     }
 
-    /// Whether the breaker is open (decisions follow the failure policies).
-    pub fn breaker_open(&self) -> bool {
-        self.breaker.is_open()
-    }
-
     fn is_cluster(&self) -> bool {
         matches!(self.conn, Conn::Cluster(..))
     }
@@ -320,24 +315,25 @@ impl RedisStore {
         groups
     }
 
-    async fn invoke(&self, inv: &redis::ScriptInvocation<'_>) -> Result<Vec<i64>, String> {
+    async fn invoke(&self, inv: &redis::ScriptInvocation<'_>) -> Result<Vec<i64>, StoreError> {
         match &self.conn {
             Conn::Single(managers) => {
                 // Relaxed: only spreads calls over the connections.
-                let i = self.next.fetch_add(1, Ordering::Relaxed) % managers.len();
-                inv.invoke_async(&mut managers[i].clone()).await.map_err(|e| e.to_string())
+                let i = self.next.fetch_add(1, Ordering::Relaxed) % managers.len().max(1);
+                let mut c = managers.get(i).ok_or(StoreError::Malformed("connection"))?.clone();
+                inv.invoke_async(&mut c).await.map_err(StoreError::Redis)
             }
             Conn::Pool(pool) => {
-                let mut c = pool.get().await.map_err(|e| e.to_string())?;
-                inv.invoke_async(&mut *c).await.map_err(|e| e.to_string())
+                let mut c = pool.get().await.map_err(StoreError::Pool)?;
+                inv.invoke_async(&mut *c).await.map_err(StoreError::Redis)
             }
             Conn::Cluster(cluster) => {
                 let (cell, client) = &**cluster;
                 let c = cell
                     .get_or_try_init(|| client.get_async_connection())
                     .await
-                    .map_err(|e| e.to_string())?;
-                inv.invoke_async(&mut c.clone()).await.map_err(|e| e.to_string())
+                    .map_err(StoreError::Redis)?;
+                inv.invoke_async(&mut c.clone()).await.map_err(StoreError::Redis)
             }
         }
     }
@@ -354,7 +350,7 @@ impl RedisStore {
         let started = self.clock.now();
         if !self.breaker.allow(started) {
             metrics::counter!(m::STORE_ERRORS, "kind" => "breaker_open").increment(1);
-            return Err(ServerError::Unavailable("redis circuit breaker open".to_owned()));
+            return Err(StoreError::BreakerOpen.into());
         }
         let mut keys = Vec::with_capacity(group.1 + 1);
         let mut levels = Vec::with_capacity(group.1);
@@ -388,11 +384,11 @@ impl RedisStore {
             }
             Ok(Err(e)) => {
                 metrics::counter!(m::STORE_ERRORS, "kind" => "error").increment(1);
-                format!("redis: {e}")
+                e
             }
             Err(_) => {
                 metrics::counter!(m::STORE_ERRORS, "kind" => "timeout").increment(1);
-                format!("redis did not answer within {:?}", self.settings.command_timeout)
+                StoreError::Timeout(self.settings.command_timeout)
             }
         };
         if self.breaker.failure(self.clock.now()) {
@@ -401,7 +397,7 @@ impl RedisStore {
         } else {
             tracing::debug!(%error, "redis call failed");
         }
-        Err(ServerError::Unavailable(error))
+        Err(error.into())
     }
 
     async fn decide_group(
@@ -426,7 +422,8 @@ impl RedisStore {
         // reply of this script: refused, never trusted.
         if r.len() != 5 || d.level > group.1 || (!d.admitted && d.level == 0) {
             metrics::counter!(m::STORE_ERRORS, "kind" => "error").increment(1);
-            return Err(ServerError::Unavailable(format!("redis: malformed decide reply {r:?}")));
+            tracing::debug!(reply = ?r, "malformed decide reply");
+            return Err(StoreError::Malformed("decide").into());
         }
         Ok(d)
     }

@@ -284,6 +284,9 @@ impl Server {
             .max_concurrent_streams(config.limits.max_concurrent_streams)
             .http2_keepalive_interval(Some(config.limits.keepalive_interval))
             .http2_keepalive_timeout(Some(config.limits.keepalive_timeout))
+            // A call whose body trickles in is ended: a connection busy with it is
+            // never idle, so the idle timeout alone would not bound it.
+            .timeout(config.limits.request_timeout)
             // HTTP/1 is accepted only to answer it with a hint (`listener::GRPC_ONLY`).
             .accept_http1(true)
             .layer(listener::ActivityLayer)

@@ -77,6 +77,7 @@ struct RawLimits {
     keepalive_interval_ms: i64,
     keepalive_timeout_ms: i64,
     max_policy_bytes: i64,
+    request_timeout_ms: i64,
 }
 
 #[derive(Debug, Deserialize)]
@@ -141,6 +142,7 @@ limits:
   keepalive_interval_ms: 30000
   keepalive_timeout_ms: 10000
   max_policy_bytes: 50331648
+  request_timeout_ms: 30000
 envoy:
   tenant_from: domain
   tenant_key: tenant
@@ -235,6 +237,8 @@ pub struct Limits {
     pub keepalive_timeout: Duration,
     /// The largest policy file loaded (memory: about 2.3 KB per tenant while loading).
     pub max_policy_bytes: u64,
+    /// A gRPC call not answered in this long (a body sent too slowly, say) is ended.
+    pub request_timeout: Duration,
 }
 
 impl Limits {
@@ -501,6 +505,12 @@ impl TryFrom<Raw> for ServerConfig {
                 &mut errors,
                 "limits.keepalive_timeout_ms",
                 l.keepalive_timeout_ms,
+                false,
+            ),
+            request_timeout: millis(
+                &mut errors,
+                "limits.request_timeout_ms",
+                l.request_timeout_ms,
                 false,
             ),
             max_policy_bytes: positive(

@@ -279,22 +279,20 @@ impl Owner {
                 _ => chain.route.lease.ttl,
             };
             let mut hold = chain.grant_hold(now, ttl);
-            // No more than the agent can spend in that time at its demand.
-            let by_time =
-                u128::from(item.demand_per_sec) * u128::from(hold) / u128::from(NANOS_PER_SEC) + 1;
             let capacity =
                 chain.levels().map(|l| l.rule.limit.capacity()).min().unwrap_or(u64::MAX);
-            // Near the limit, every active agent may strand only a small share.
-            let share =
-                if remaining < capacity / 5 { remaining / (2 * active) } else { remaining / 2 };
             let most =
                 if slice_of.is_some() { u64::MAX } else { chain.route.lease.max_batch.get() };
-            let mut size = item
-                .want
-                .clamp(1, most)
-                .min(u64::try_from(by_time).unwrap_or(u64::MAX))
-                .min(share)
-                .max(item.cost);
+            let mut size = grant_size(&Ask {
+                want: item.want,
+                cost: item.cost,
+                demand_per_sec: item.demand_per_sec,
+                hold,
+                remaining,
+                capacity,
+                active,
+                most,
+            });
             // Root levels owned elsewhere: the grant comes out of this node's slices
             // and never outlives them.
             let mut from_slices = 0;
@@ -461,6 +459,45 @@ impl Owner {
     }
 }
 
+/// What a grant is sized from.
+#[derive(Debug, Clone, Copy)]
+struct Ask {
+    /// Units the holder asked for.
+    want: u64,
+    /// The request waiting for the grant (it must fit).
+    cost: u64,
+    /// The holder's demand, units per second.
+    demand_per_sec: u64,
+    /// How long the grant may be spent.
+    hold: Nanos,
+    /// Units left at the chain's tightest level.
+    remaining: u64,
+    /// The tightest level's capacity.
+    capacity: u64,
+    /// Holders with open leases on the chain (at least 1).
+    active: u64,
+    /// The route's `max_batch` (no cap for a node's slice).
+    most: u64,
+}
+
+/// The grant rule: what the holder asked for (at least 1, at most `most`), no more
+/// than it can spend in the hold at its demand, no more than half of what is left
+/// (near the limit, when less than a fifth of the capacity is left, a share of it for
+/// each active holder), and never less than the waiting request's cost.
+fn grant_size(a: &Ask) -> u64 {
+    let by_time = u128::from(a.demand_per_sec) * u128::from(a.hold) / u128::from(NANOS_PER_SEC) + 1;
+    let share = if a.remaining < a.capacity / 5 {
+        a.remaining / (2 * a.active.max(1))
+    } else {
+        a.remaining / 2
+    };
+    a.want
+        .clamp(1, a.most.max(1))
+        .min(u64::try_from(by_time).unwrap_or(u64::MAX))
+        .min(share)
+        .max(a.cost)
+}
+
 impl crate::cluster::LeaseBook for Leases {
     fn take_moving(&self, moving: &dyn Fn(&str) -> bool) -> Vec<pb::LeaseState> {
         Self::take_moving(self, moving)
@@ -468,5 +505,56 @@ impl crate::cluster::LeaseBook for Leases {
 
     fn adopt(&self, leases: &[pb::LeaseState]) -> u64 {
         Self::adopt(self, leases)
+    }
+}
+
+#[cfg(test)]
+mod grant_rule {
+    use super::*;
+
+    const SEC: Nanos = NANOS_PER_SEC;
+
+    fn ask() -> Ask {
+        Ask {
+            want: 100,
+            cost: 1,
+            demand_per_sec: 1_000,
+            hold: SEC,
+            remaining: 10_000,
+            capacity: 10_000,
+            active: 1,
+            most: 500,
+        }
+    }
+
+    #[test]
+    fn a_grant_is_what_was_asked_within_the_batch_cap() {
+        assert_eq!(grant_size(&ask()), 100);
+        assert_eq!(grant_size(&Ask { want: 10_000, ..ask() }), 500, "max_batch");
+        assert_eq!(grant_size(&Ask { want: 0, ..ask() }), 1, "at least one unit");
+    }
+
+    #[test]
+    fn a_grant_is_no_more_than_the_holder_can_spend_in_its_hold() {
+        // 10 units a second for 2 s: 21 (the +1 keeps a slow key from getting 0).
+        assert_eq!(grant_size(&Ask { demand_per_sec: 10, hold: 2 * SEC, ..ask() }), 21);
+        assert_eq!(grant_size(&Ask { demand_per_sec: 0, ..ask() }), 1);
+    }
+
+    #[test]
+    fn near_the_limit_each_active_holder_gets_a_small_share() {
+        // Half of what is left while plenty is left.
+        let busy = Ask { want: 10_000, most: u64::MAX, demand_per_sec: 1_000_000, ..ask() };
+        assert_eq!(grant_size(&Ask { remaining: 4_000, ..busy }), 2_000);
+        // Below a fifth of the capacity: a share per active holder of half of it.
+        let near = Ask { remaining: 1_000, active: 10, ..busy };
+        assert_eq!(grant_size(&near), 50);
+        // Never below the waiting request's cost, even when that is all there is.
+        assert_eq!(grant_size(&Ask { remaining: 3, active: 10, cost: 3, ..ask() }), 3);
+        assert_eq!(
+            grant_size(&Ask { active: 0, remaining: 100, ..ask() }),
+            50,
+            "active 0 reads as 1"
+        );
     }
 }

@@ -16,6 +16,7 @@ pub mod error;
 pub mod failure;
 pub mod headers;
 pub mod hierarchy;
+pub mod holder;
 pub mod key;
 pub mod lease;
 pub mod limit;

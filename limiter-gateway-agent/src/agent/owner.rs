@@ -3,7 +3,8 @@
 use super::*;
 use crate::error::AgentError;
 use crate::slot::Spend;
-use limiter_core::clock::{NANOS_PER_SEC, Nanos};
+use limiter_core::clock::Nanos;
+use limiter_core::holder::Margin;
 use limiter_core::ring::{Member, Ring};
 use limiter_core::{Decision, Reason};
 use limiter_proto::connect::AuthChannel;
@@ -187,10 +188,8 @@ impl Inner {
 
     /// Units to ask for: two renewal intervals of demand, at least `cost`.
     pub(super) fn want(&self, demand_per_sec: u64, cost: u64) -> u64 {
-        let per_interval = u128::from(demand_per_sec)
-            * u128::from(nanos(self.config.renew_interval))
-            / u128::from(NANOS_PER_SEC);
-        u64::try_from(2 * per_interval).unwrap_or(u64::MAX).max(cost).max(1)
+        let span = nanos(self.config.renew_interval).saturating_mul(2);
+        limiter_core::holder::want(demand_per_sec, span, cost, u64::MAX)
     }
 
     /// Installs a grant; `consume` units of it go to the request that waited for it.
@@ -205,7 +204,6 @@ impl Inner {
         if let Some(p) = &g.on_failure {
             self.routes.lock().insert(slot.key.route().into(), failure_policy(p));
         }
-        st.last_renew = sent_at;
         st.installed = 0;
         if g.mode() == pb::LeaseMode::Direct {
             st.mode = Mode::Direct;
@@ -220,15 +218,12 @@ impl Inner {
             return;
         }
         let hold = duration_nanos(g.hold.as_ref());
-        #[allow(
-            clippy::cast_possible_truncation,
-            clippy::cast_sign_loss,
-            clippy::cast_precision_loss
-        )]
-        let margin = (hold as f64 * self.config.deadline_margin) as u64;
+        // The configured fraction in thousandths (a fraction of 0 to 1).
+        #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
+        let permille = (self.config.deadline_margin.clamp(0.0, 1.0) * 1_000.0).round() as u64;
         st.sent_at = sent_at;
         st.hold = hold;
-        let deadline = sent_at + hold.saturating_sub(margin.max(1));
+        let deadline = Margin::permille(permille).spendable_until(sent_at, hold);
         st.installed = g.units - consume;
         slot.balance.install(g.units - consume, deadline, (g.units / 4).max(1));
     }

@@ -2,7 +2,8 @@
 
 use crate::slot::Balance;
 use arc_swap::ArcSwap;
-use limiter_core::clock::{NANOS_PER_SEC, Nanos};
+use limiter_core::clock::Nanos;
+use limiter_core::holder::Demand;
 use parking_lot::Mutex;
 use std::collections::HashMap;
 use std::hash::Hash;
@@ -76,29 +77,19 @@ pub(super) struct LeaseState {
     pub(super) sent_at: Nanos,
     pub(super) hold: Nanos,
     pub(super) mode: Mode,
-    pub(super) last_renew: Nanos,
-    pub(super) demand_per_sec: u64,
+    /// The key's demand (the holder's estimate, `limiter_core::holder`).
+    pub(super) demand: Demand,
 }
 
 /// A key idle this many times `idle_after`, holding nothing, is forgotten.
 pub(super) const FORGET_AFTER_IDLE: u64 = 30;
 
-/// Assumed demand of a key seen for the first time, in units per second.
-pub(super) const FIRST_DEMAND: u64 = 1;
-
 impl LeaseState {
-    /// Updates the demand estimate with `spent` units since the last call: the rate
-    /// over that time, decaying by half when it drops.
+    /// Counts `spent` units since the last renewal into the demand estimate, as of
+    /// `now`, and returns it.
     pub(super) fn demand(&mut self, now: Nanos, spent: u64) -> u64 {
-        if self.last_renew == 0 {
-            self.last_renew = now;
-            self.demand_per_sec = FIRST_DEMAND.max(spent);
-            return self.demand_per_sec;
-        }
-        let elapsed = now.saturating_sub(self.last_renew).max(1);
-        let rate = u128::from(spent) * u128::from(NANOS_PER_SEC) / u128::from(elapsed);
-        self.demand_per_sec = u64::try_from(rate).unwrap_or(u64::MAX).max(self.demand_per_sec / 2);
-        self.demand_per_sec
+        self.demand.spend(spent);
+        self.demand.update(now)
     }
 }
 

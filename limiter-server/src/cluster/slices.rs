@@ -22,6 +22,7 @@ use std::sync::Arc;
 
 use limiter_core::clock::{NANOS_PER_SEC, Nanos};
 use limiter_core::decision::Scope;
+use limiter_core::holder::{Demand, Margin, Refusal};
 use limiter_core::policy::{Chain, Level};
 use limiter_proto::limiter::v1 as pb;
 use parking_lot::Mutex;
@@ -35,8 +36,8 @@ use crate::metrics as m;
 /// A slice's identity: the level's scope and, for a route-wide limit, its route.
 pub type SliceKey = (Scope, Box<str>);
 
-/// A slice is given up this fraction of its hold early.
-const MARGIN_PERMILLE: u64 = 20;
+/// A slice is given up 2% of its hold early.
+const MARGIN: Margin = Margin::permille(20);
 
 /// A refusal is remembered at most this long.
 const DENIED_FOR: Nanos = 20 * 1_000_000;
@@ -55,13 +56,10 @@ pub struct Slice {
     pub granted: u64,
     /// Spendable until (this node's clock).
     pub until: Nanos,
-    /// A refusal: until when it stands, and when the owner said to retry.
-    pub denied: Option<(Nanos, Nanos)>,
-    /// Units spent in the current period and the period's start.
-    spent: u64,
-    period_start: Nanos,
-    /// Units per second, smoothed.
-    demand: u64,
+    /// The owner's last refusal, while it stands.
+    pub denied: Option<Refusal<()>>,
+    /// Units per second this node spends from it, updated every [`PERIOD`].
+    demand: Demand,
     /// Last time a request needed this slice.
     pub last_used: Nanos,
     /// Units agents gave back from leases an earlier slice funded: spendable until
@@ -104,21 +102,16 @@ impl Slice {
     }
 
     fn note_spend(&mut self, units: u64, now: Nanos) {
-        if now.saturating_sub(self.period_start) >= PERIOD {
-            let elapsed = now.saturating_sub(self.period_start).max(1);
-            let rate = u128::from(self.spent) * u128::from(NANOS_PER_SEC) / u128::from(elapsed);
-            let rate = u64::try_from(rate).unwrap_or(u64::MAX);
-            self.demand = if self.demand == 0 { rate } else { (self.demand + rate) / 2 };
-            self.spent = 0;
-            self.period_start = now;
+        if now.saturating_sub(self.demand.since()) >= PERIOD {
+            self.demand.update(now);
         }
-        self.spent = self.spent.saturating_add(units);
+        self.demand.spend(units);
         self.last_used = now;
     }
 
     /// Units per second this node spends from the slice.
     pub fn demand(&self) -> u64 {
-        self.demand.max(self.spent)
+        self.demand.rate()
     }
 }
 
@@ -145,7 +138,7 @@ pub struct Slices {
 
 /// The hold of a slice granted for `hold`, less the safety margin, from `sent`.
 pub fn spend_until(sent: Nanos, hold: Nanos) -> Nanos {
-    sent + hold - hold / 1000 * MARGIN_PERMILLE
+    MARGIN.spendable_until(sent, hold)
 }
 
 impl Slices {
@@ -155,9 +148,9 @@ impl Slices {
         for k in keys {
             let s = held.entry(k.clone()).or_default();
             s.last_used = now;
-            if let Some((until, retry_at)) = s.denied {
-                if now < until {
-                    return Take::Denied(k.clone(), retry_at.saturating_sub(now));
+            if let Some(r) = s.denied {
+                if let Some(wait) = r.wait(now, 0) {
+                    return Take::Denied(k.clone(), wait);
                 }
                 s.denied = None;
             }
@@ -189,10 +182,8 @@ impl Slices {
         for k in keys {
             let s = held.entry(k.clone()).or_default();
             s.last_used = now;
-            if let Some((end, retry_at)) = s.denied
-                && now < end
-            {
-                return Err(Take::Denied(k.clone(), retry_at.saturating_sub(now)));
+            if let Some(wait) = s.denied.and_then(|r| r.wait(now, 0)) {
+                return Err(Take::Denied(k.clone(), wait));
             }
             let available = s.available(now);
             if available < min.max(1) {
@@ -228,7 +219,7 @@ impl Slices {
                 } else {
                     s.units += units;
                 }
-                s.spent = s.spent.saturating_sub(units);
+                s.demand.unspend(units);
             }
         }
     }
@@ -270,7 +261,7 @@ impl Slices {
     pub fn deny(&self, key: &SliceKey, now: Nanos, wait: Nanos) {
         let mut held = self.held.lock();
         let s = held.entry(key.clone()).or_default();
-        s.denied = Some((now + wait.min(DENIED_FOR), now + wait));
+        s.denied = Some(Refusal::new(now, wait, DENIED_FOR, 0, ()));
     }
 
     /// Slices due for renewal: low (under a quarter of the last grant), near their
@@ -283,7 +274,7 @@ impl Slices {
                 let idle = now.saturating_sub(s.last_used) >= idle_after;
                 let low = s.units < s.granted / 4;
                 let ending = s.until.saturating_sub(now)
-                    < (s.until.saturating_sub(s.period_start)).min(NANOS_PER_SEC) / 2;
+                    < (s.until.saturating_sub(s.demand.since())).min(NANOS_PER_SEC) / 2;
                 (idle || low || ending).then(|| (k.clone(), idle))
             })
             .collect()

@@ -4,8 +4,8 @@
 //! - Pre-paid: a batch is debited from every level of its chain in Redis when it is
 //!   granted, so the units one server holds can never be spent by another; several
 //!   servers sharing one Redis never admit more than the limits allow.
-//! - Sized by demand (about a hold's worth at the rate the previous batch was
-//!   spent), at most the route's `max_batch`, and at most half of what is left in
+//! - Sized by demand (about a hold's worth of what this server spends, the estimate of
+//!   `limiter_core::holder`), at most the route's `max_batch`, and at most half of what is left in
 //!   Redis (the script's rule), so one server strands at most half the rest.
 //! - Spent for at most the grant's hold (counted from when this server asked, less a
 //!   margin), then what is left goes back with the next grant, or on the idle sweep,
@@ -17,8 +17,9 @@ use std::collections::HashMap;
 use std::hash::{BuildHasher, Hash, Hasher, RandomState};
 use std::sync::Arc;
 
-use limiter_core::clock::{NANOS_PER_SEC, Nanos};
+use limiter_core::clock::Nanos;
 use limiter_core::decision::{Binding, Decision};
+use limiter_core::holder::{self, Demand, Margin, Refusal};
 use limiter_core::key::LimitKey;
 use limiter_core::policy::{Chain, NameBounds, Policy, Request};
 use limiter_core::{Limit, Verdict};
@@ -31,14 +32,9 @@ use crate::error::ServerError;
 /// A request that resolves to the chain (to give a batch back after a while).
 type Origin = (Box<str>, Box<str>, Option<Box<str>>);
 
-/// A refusal Redis made, remembered for a moment.
-#[derive(Debug, Clone, Copy)]
-struct Denied {
-    cost: u64,
-    at: Nanos,
-    until: Nanos,
-    decision: Decision,
-}
+/// A batch is given up a tenth of its hold early, at least 1 ms (the server's clock
+/// against Redis's `TIME`).
+const MARGIN: Margin = Margin { permille: 100, at_least: 1_000_000 };
 
 #[derive(Debug, Default)]
 struct Batch {
@@ -48,16 +44,15 @@ struct Batch {
     origin: Option<Origin>,
     /// Dropped from the map: a caller that found it just before must look again.
     retired: bool,
-    denied: Option<Denied>,
+    /// A refusal Redis made, remembered for a moment: its decision.
+    denied: Option<Refusal<Decision>>,
     units: u64,
     granted_at: Nanos,
     hold: Nanos,
     /// Spendable until this instant of the server's clock.
     until: Nanos,
-    installed_at: Nanos,
-    spent: u64,
-    /// Units per second at which the previous batch was spent.
-    demand: u64,
+    /// Units per second at which this server spends the chain's batches.
+    demand: Demand,
     left: u64,
     tight: usize,
     reset_at: Nanos,
@@ -135,30 +130,19 @@ impl Batches {
         b.used_at = t;
         if b.units >= cost && t < b.until {
             b.units -= cost;
-            b.spent += cost;
+            b.demand.spend(cost);
             return Ok((allowed(&b, chain, t), Charged { at: b.granted_at, hold: b.hold }));
         }
         if let Some(d) = &b.denied
-            && t < d.until
-            && cost >= d.cost
-            && let Decision::Rejected { reason, scope, limit, retry_after } = d.decision
+            && let Some(retry_after) = d.wait(t, cost)
+            && let Decision::Rejected { reason, scope, limit, .. } = d.detail
         {
-            let retry_after = retry_after.saturating_sub(t - d.at).max(1);
             let decision = Decision::Rejected { reason, scope, limit, retry_after };
             return Ok((Verdict { decision, shadow: chain.shadow }, Charged { at: now, hold: 0 }));
         }
         // Renew: return what is left, ask for about a hold of demand.
-        let elapsed = t.saturating_sub(b.installed_at).max(1);
-        if b.installed_at > 0 {
-            let rate = u128::from(b.spent) * u128::from(NANOS_PER_SEC) / u128::from(elapsed);
-            b.demand = u64::try_from(rate).unwrap_or(u64::MAX);
-        }
         let ttl = chain.route.lease.ttl;
-        let by_demand = u128::from(b.demand) * u128::from(ttl) / u128::from(NANOS_PER_SEC);
-        let want = u64::try_from(by_demand)
-            .unwrap_or(u64::MAX)
-            .min(chain.route.lease.max_batch.get())
-            .max(cost);
+        let want = holder::want(b.demand.update(t), ttl, cost, chain.route.lease.max_batch.get());
         let back = (b.units, b.granted_at, b.hold);
         b.units = 0;
         let g = store.grant_raw(chain, now, want, ttl, cost, back).await?;
@@ -178,13 +162,14 @@ impl Batches {
                 limit: Some(*level.rule.limit),
                 retry_after: g.wait,
             };
-            b.denied = Some(Denied { cost, at: t, until: t + g.wait.min(g.hold / 4), decision });
+            b.denied = Some(Refusal::new(t, g.wait, g.hold / 4, cost, decision));
             return Ok((
                 Verdict { decision, shadow: chain.shadow },
                 Charged { at: g.granted_at, hold: 0 },
             ));
         }
-        let margin = (g.hold / 10).max(1_000_000).min(g.hold);
+        let mut demand = b.demand;
+        demand.spend(cost);
         *b = Batch {
             levels: std::mem::take(&mut b.levels),
             origin: b.origin.take(),
@@ -193,10 +178,8 @@ impl Batches {
             units: g.units - cost,
             granted_at: g.granted_at,
             hold: g.hold,
-            until: t + g.hold - margin,
-            installed_at: t,
-            spent: cost,
-            demand: b.demand,
+            until: MARGIN.spendable_until(t, g.hold),
+            demand,
             left: g.left,
             tight: g.tight,
             reset_at: t + g.reset,

@@ -4,9 +4,9 @@
 use std::sync::{Arc, OnceLock};
 
 use limiter_server::Server;
+use limiter_server::api::envoy::EnvoyService;
+use limiter_server::api::native::NativeService;
 use limiter_server::config::ServerConfig;
-use limiter_server::envoy::EnvoyService;
-use limiter_server::service::NativeService;
 
 /// Every algorithm, every level, shadow mode, fail-open and leases.
 pub const POLICY: &str = r"

@@ -71,20 +71,7 @@ async fn finding_1_a_node_alone_accepts_no_handoff_and_no_forwarded_call() {
 
 #[test]
 fn finding_1_a_cluster_without_authentication_must_say_so() {
-    let env = |extra: &[(&str, &str)]| {
-        let mut v: Vec<(String, String)> = [
-            ("LIMITER__POLICY_FILE", "p.yaml"),
-            ("LIMITER__CLUSTER__MEMBERSHIP", "static"),
-            ("LIMITER__CLUSTER__PEERS", "a=127.0.0.1:1,b=127.0.0.1:2"),
-            ("LIMITER__CLUSTER__NODE_ID", "a"),
-        ]
-        .iter()
-        .chain(extra)
-        .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
-        .collect();
-        v.dedup_by(|a, b| a.0 == b.0);
-        v
-    };
+    let env = common::node_a;
     let e = limiter_server::config::ServerConfig::load_with_env(None, env(&[])).unwrap_err();
     assert!(e.to_string().contains("cluster.insecure_peers"), "{e}");
     limiter_server::config::ServerConfig::load_with_env(
@@ -471,16 +458,7 @@ async fn finding_4_an_idle_server_opens_its_policy_a_handful_of_times() {
 #[tokio::test]
 async fn finding_1_a_handoff_from_a_node_not_in_the_cluster_is_refused() {
     use std::sync::Arc;
-    let env: Vec<(String, String)> = [
-        ("LIMITER__POLICY_FILE", "p.yaml"),
-        ("LIMITER__CLUSTER__MEMBERSHIP", "static"),
-        ("LIMITER__CLUSTER__PEERS", "a=127.0.0.1:1,b=127.0.0.1:2"),
-        ("LIMITER__CLUSTER__NODE_ID", "a"),
-        ("LIMITER__CLUSTER__INSECURE_PEERS", "true"),
-    ]
-    .iter()
-    .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
-    .collect();
+    let env = common::node_a(&[("LIMITER__CLUSTER__INSECURE_PEERS", "true")]);
     let config = limiter_server::config::ServerConfig::load_with_env(None, env).unwrap();
     let now = 1_800_000_000_000_000_000u64;
     let clock = Arc::new(limiter_core::clock::ManualClock::new(now));

@@ -135,6 +135,24 @@ pub async fn http_get_with(addr: SocketAddr, path: &str, headers: &str) -> (u16,
     (status, body)
 }
 
+/// `LIMITER__*` settings as `ServerConfig::load_with_env` takes them.
+pub fn settings(pairs: &[(&str, &str)]) -> Vec<(String, String)> {
+    pairs.iter().map(|(k, v)| ((*k).to_owned(), (*v).to_owned())).collect()
+}
+
+/// The settings of node `a` of a static cluster of `a` and `b` on ports nothing
+/// listens on, with `extra` ones after them.
+pub fn node_a(extra: &[(&str, &str)]) -> Vec<(String, String)> {
+    let mut v = settings(&[
+        ("LIMITER__POLICY_FILE", "p.yaml"),
+        ("LIMITER__CLUSTER__MEMBERSHIP", "static"),
+        ("LIMITER__CLUSTER__PEERS", "a=127.0.0.1:1,b=127.0.0.1:2"),
+        ("LIMITER__CLUSTER__NODE_ID", "a"),
+    ]);
+    v.extend(settings(extra));
+    v
+}
+
 pub fn ask(tenant: &str, route: &str) -> pb::ShouldAllowRequest {
     pb::ShouldAllowRequest { tenant: tenant.into(), route: route.into(), ..Default::default() }
 }

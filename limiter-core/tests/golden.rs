@@ -2,7 +2,7 @@
 //! also pass (limiter-server's `redis_golden` test).
 
 mod golden {
-    pub mod cases;
+    pub(crate) mod cases;
 }
 
 use golden::cases::{BASE, CASES, Got, Op, check};

@@ -14,7 +14,7 @@ pub const FORWARDED: &str = "x-limiter-forwarded";
 pub const OWNER: &str = "x-limiter-owner";
 
 /// A wire duration from nanoseconds.
-pub fn duration(nanos: Nanos) -> prost_types::Duration {
+pub(crate) fn duration(nanos: Nanos) -> prost_types::Duration {
     prost_types::Duration {
         seconds: i64::try_from(nanos / NANOS_PER_SEC).unwrap_or(i64::MAX),
         // Below 10^9: fits.
@@ -23,14 +23,14 @@ pub fn duration(nanos: Nanos) -> prost_types::Duration {
 }
 
 /// Nanoseconds of a wire duration (negative: 0).
-pub fn nanos_of(d: &prost_types::Duration) -> Nanos {
+pub(crate) fn nanos_of(d: &prost_types::Duration) -> Nanos {
     let secs = u64::try_from(d.seconds).unwrap_or(0);
     let sub = u64::try_from(d.nanos).unwrap_or(0);
     secs.saturating_mul(NANOS_PER_SEC).saturating_add(sub)
 }
 
 /// The core request of a wire request (an empty key is no key).
-pub fn request(r: &pb::ShouldAllowRequest) -> Request<'_> {
+pub(crate) fn request(r: &pb::ShouldAllowRequest) -> Request<'_> {
     Request {
         tenant: &r.tenant,
         route: &r.route,
@@ -41,7 +41,7 @@ pub fn request(r: &pb::ShouldAllowRequest) -> Request<'_> {
 }
 
 /// The wire reason.
-pub fn reason(r: Reason) -> pb::Reason {
+pub(crate) fn reason(r: Reason) -> pb::Reason {
     match r {
         Reason::GlobalCeiling => pb::Reason::GlobalCeiling,
         Reason::RouteLimit => pb::Reason::RouteLimit,
@@ -55,7 +55,7 @@ pub fn reason(r: Reason) -> pb::Reason {
 }
 
 /// The wire scope.
-pub fn scope(s: Scope) -> pb::Scope {
+pub(crate) fn scope(s: Scope) -> pb::Scope {
     match s {
         Scope::Global => pb::Scope::Global,
         Scope::Route => pb::Scope::Route,
@@ -66,7 +66,7 @@ pub fn scope(s: Scope) -> pb::Scope {
 }
 
 /// The scope a wire value names (`None`: unset or unknown).
-pub fn scope_from(v: i32) -> Option<Scope> {
+pub(crate) fn scope_from(v: i32) -> Option<Scope> {
     match pb::Scope::try_from(v).ok()? {
         pb::Scope::Global => Some(Scope::Global),
         pb::Scope::Route => Some(Scope::Route),
@@ -78,7 +78,7 @@ pub fn scope_from(v: i32) -> Option<Scope> {
 }
 
 /// The wire algorithm.
-pub fn algorithm(k: AlgorithmKind) -> pb::Algorithm {
+pub(crate) fn algorithm(k: AlgorithmKind) -> pb::Algorithm {
     match k {
         AlgorithmKind::TokenBucket => pb::Algorithm::TokenBucket,
         AlgorithmKind::FixedWindow => pb::Algorithm::FixedWindow,
@@ -88,7 +88,7 @@ pub fn algorithm(k: AlgorithmKind) -> pb::Algorithm {
 }
 
 /// The wire limit.
-pub fn limit(l: &Limit, name: Option<&str>) -> pb::Limit {
+pub(crate) fn limit(l: &Limit, name: Option<&str>) -> pb::Limit {
     let (quota, window) = l.quota();
     pb::Limit {
         name: name.unwrap_or_default().to_owned(),

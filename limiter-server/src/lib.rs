@@ -9,17 +9,17 @@
 //! [`Server::new`] validates everything before a socket exists; [`Server::run`] takes
 //! listeners its caller bound (tests pass port 0) and a shutdown future.
 
-pub mod admin;
+pub(crate) mod admin;
 pub mod api;
 pub mod cli;
 pub mod cluster;
 pub mod config;
-pub mod convert;
+pub(crate) mod convert;
 pub mod error;
-pub mod listener;
+pub(crate) mod listener;
 pub mod metrics;
 pub mod owner;
-pub mod security;
+pub(crate) mod security;
 pub mod store;
 
 use std::future::Future;

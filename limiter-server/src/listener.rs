@@ -41,7 +41,7 @@ pub struct ConnectionLimits {
 
 /// What one connection is doing, shared by its reads and its requests.
 #[derive(Debug)]
-pub struct Activity {
+pub(crate) struct Activity {
     opened: Instant,
     in_flight: AtomicUsize,
     requests: AtomicU64,
@@ -82,7 +82,7 @@ impl Activity {
     }
 
     /// A request started; the returned guard ends it.
-    pub fn begin(self: &Arc<Self>) -> Busy {
+    pub(crate) fn begin(self: &Arc<Self>) -> Busy {
         // Relaxed: counters read only by this connection's watchdog, which re-checks.
         self.in_flight.fetch_add(1, Ordering::Relaxed);
         // Release: an eviction that sees a request leaves the connection alone.
@@ -97,7 +97,7 @@ impl Activity {
 
 /// A request in flight on a connection (ends when dropped).
 #[derive(Debug)]
-pub struct Busy(Arc<Activity>);
+pub(crate) struct Busy(Arc<Activity>);
 
 impl Drop for Busy {
     fn drop(&mut self) {
@@ -106,19 +106,17 @@ impl Drop for Busy {
     }
 }
 
-/// The connection's information tonic puts in every request: what the inner stream
-/// reports (peer address, TLS certificates), and its [`Activity`].
+/// The connection's information tonic puts in every request: its [`Activity`] (under
+/// TLS, tonic wraps it with the certificates).
 #[derive(Debug, Clone)]
-pub struct ConnInfo<T> {
-    /// The inner stream's information.
-    pub inner: T,
+pub(crate) struct ConnInfo {
     /// The connection's activity.
-    pub activity: Arc<Activity>,
+    pub(crate) activity: Arc<Activity>,
 }
 
 /// A connection counted against its listener's cap and closed when it idles.
 #[derive(Debug)]
-pub struct Conn<IO> {
+pub(crate) struct Conn<IO> {
     io: IO,
     activity: Arc<Activity>,
     timer: Pin<Box<Sleep>>,
@@ -129,12 +127,13 @@ pub struct Conn<IO> {
 
 impl<IO> Conn<IO> {
     /// The connection's activity.
-    pub fn activity(&self) -> &Arc<Activity> {
+    #[cfg(test)]
+    fn activity(&self) -> &Arc<Activity> {
         &self.activity
     }
 
     /// The inner stream.
-    pub fn get_ref(&self) -> &IO {
+    pub(crate) fn get_ref(&self) -> &IO {
         &self.io
     }
 
@@ -226,16 +225,16 @@ impl<IO: AsyncWrite + Unpin> AsyncWrite for Conn<IO> {
     }
 }
 
-impl<IO: tonic::transport::server::Connected> tonic::transport::server::Connected for Conn<IO> {
-    type ConnectInfo = ConnInfo<IO::ConnectInfo>;
+impl<IO> tonic::transport::server::Connected for Conn<IO> {
+    type ConnectInfo = ConnInfo;
 
     fn connect_info(&self) -> Self::ConnectInfo {
-        ConnInfo { inner: self.io.connect_info(), activity: self.activity.clone() }
+        ConnInfo { activity: self.activity.clone() }
     }
 }
 
 /// A connection that knows its [`Activity`] (plain or under TLS).
-pub trait Counted {
+pub(crate) trait Counted {
     /// The connection's activity.
     fn activity(&self) -> Arc<Activity>;
 }
@@ -255,7 +254,7 @@ impl Counted for tokio_rustls::server::TlsStream<Conn<TcpStream>> {
 /// Serves `app` over HTTP/1.1 on the connections of `incoming` until `stop` fires,
 /// then lets requests in flight finish within `grace`. A request's headers must
 /// arrive within `header_timeout`.
-pub async fn serve_http1<IO>(
+pub(crate) async fn serve_http1<IO>(
     mut incoming: mpsc::Receiver<IO>,
     app: axum::Router,
     header_timeout: Duration,
@@ -303,7 +302,7 @@ pub async fn serve_http1<IO>(
 
 /// Accepts on `listener` until `stop` fires and hands over the connections within
 /// `limits.max`; those beyond it are closed at once and counted.
-pub fn accept(
+pub(crate) fn accept(
     listener: TcpListener,
     name: &'static str,
     limits: ConnectionLimits,
@@ -383,7 +382,7 @@ fn evict_oldest(
 /// The gRPC port's tower layer: marks a connection busy while a call is in flight,
 /// and answers HTTP/1 requests (a browser, `curl` without `--http2`) with a hint.
 #[derive(Debug, Clone, Copy, Default)]
-pub struct ActivityLayer;
+pub(crate) struct ActivityLayer;
 
 impl<S> tower::Layer<S> for ActivityLayer {
     type Service = ActivityService<S>;
@@ -395,19 +394,17 @@ impl<S> tower::Layer<S> for ActivityLayer {
 
 /// The service of [`ActivityLayer`].
 #[derive(Debug, Clone)]
-pub struct ActivityService<S> {
+pub(crate) struct ActivityService<S> {
     inner: S,
 }
 
 /// The activity of the connection a request came on, wherever the server put it.
 fn activity_of<B>(req: &http::Request<B>) -> Option<Arc<Activity>> {
-    use tonic::transport::server::{TcpConnectInfo, TlsConnectInfo};
+    use tonic::transport::server::TlsConnectInfo;
     let ext = req.extensions();
     ext.get::<Arc<Activity>>()
-        .or_else(|| ext.get::<ConnInfo<TcpConnectInfo>>().map(|c| &c.activity))
-        .or_else(|| {
-            ext.get::<TlsConnectInfo<ConnInfo<TcpConnectInfo>>>().map(|c| &c.get_ref().activity)
-        })
+        .or_else(|| ext.get::<ConnInfo>().map(|c| &c.activity))
+        .or_else(|| ext.get::<TlsConnectInfo<ConnInfo>>().map(|c| &c.get_ref().activity))
         .cloned()
 }
 
@@ -442,7 +439,7 @@ where
 }
 
 /// What an HTTP/1 request to the gRPC port is told.
-pub const GRPC_ONLY: &str = "this port speaks gRPC (HTTP/2): use a gRPC client; \
+pub(crate) const GRPC_ONLY: &str = "this port speaks gRPC (HTTP/2): use a gRPC client; \
      /metrics, /healthz, /readyz and /dashboard are on the admin port\n";
 
 /// The answer to an HTTP/1 request on the gRPC port: `426 Upgrade Required` and a
@@ -461,7 +458,7 @@ fn grpc_only() -> http::Response<tonic::body::Body> {
 
 /// The soft open-file limit raised to the hard one (logged), and the limit now in
 /// force.
-pub fn raise_file_limit() -> u64 {
+pub(crate) fn raise_file_limit() -> u64 {
     use rustix::process::{Resource, getrlimit, setrlimit};
     let before = getrlimit(Resource::Nofile);
     let soft = before.current.unwrap_or(u64::MAX);
@@ -486,7 +483,7 @@ const RESERVED_FILES: u64 = 128;
 
 /// The default caps of the gRPC and admin listeners for an open-file limit of
 /// `files`: three quarters of what is not reserved for gRPC, an eighth for admin.
-pub fn default_caps(files: u64) -> (usize, usize) {
+pub(crate) fn default_caps(files: u64) -> (usize, usize) {
     let spare = files.saturating_sub(RESERVED_FILES).max(16);
     let grpc = usize::try_from(spare / 4 * 3).unwrap_or(usize::MAX).min(1 << 20);
     let admin = usize::try_from(spare / 8).unwrap_or(usize::MAX).clamp(4, 4_096);

@@ -13,11 +13,11 @@
 use limiter_core::Scope;
 
 /// 2027-01-15T08:00:00Z in microseconds.
-pub const BASE: u64 = 1_800_000_000_000_000;
+pub(crate) const BASE: u64 = 1_800_000_000_000_000;
 
 /// What a step does.
 #[derive(Debug, Clone, Copy)]
-pub enum Op {
+pub(crate) enum Op {
     /// Check and charge (`dry_run`: check only) the chain of `key` (`""`: no key).
     Decide { key: &'static str, cost: u64, dry_run: bool },
     /// Charge without checking (usage reported after the fact).
@@ -33,7 +33,7 @@ pub enum Op {
 
 /// What a step must answer.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Expect {
+pub(crate) enum Expect {
     /// Admitted: left at the tightest level, and when it is full again.
     Allowed { remaining: u64, reset_after: u64 },
     /// Refused by the outermost failing level, with the longest wait.
@@ -48,7 +48,7 @@ pub enum Expect {
 
 /// One step: at `at` microseconds after `BASE`, do `op`, expect `expect`.
 #[derive(Debug, Clone, Copy)]
-pub struct Step {
+pub(crate) struct Step {
     pub at: u64,
     pub op: Op,
     pub expect: Expect,
@@ -56,7 +56,7 @@ pub struct Step {
 
 /// A case: a policy (tenant `t`, route `/r`) and its steps.
 #[derive(Debug)]
-pub struct Case {
+pub(crate) struct Case {
     pub name: &'static str,
     pub policy: &'static str,
     pub steps: &'static [Step],
@@ -78,7 +78,7 @@ const MS: u64 = 1_000;
 const S: u64 = 1_000_000;
 
 /// Every case.
-pub const CASES: &[Case] = &[
+pub(crate) const CASES: &[Case] = &[
     Case {
         name: "token bucket: 3/s refills a token every 333,333.33 us, exactly",
         policy: "version: 1\ntenants:\n  t:\n    limit: { algorithm: token_bucket, rate: 3/s, burst: 3 }\n",
@@ -306,7 +306,7 @@ tenants:
 
 /// An answer, from any implementation, durations in nanoseconds.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Got {
+pub(crate) enum Got {
     Allowed { remaining: u64, reset_after: u64 },
     Rejected { scope: Scope, retry_after: u64 },
     Granted { units: u64, hold: u64 },
@@ -315,7 +315,7 @@ pub enum Got {
 }
 
 /// Nanoseconds rounded up to microseconds.
-pub fn micros(ns: u64) -> u64 {
+pub(crate) fn micros(ns: u64) -> u64 {
     ns.div_ceil(1_000)
 }
 
@@ -324,7 +324,7 @@ pub fn micros(ns: u64) -> u64 {
 /// # Errors
 ///
 /// A description of the difference.
-pub fn check(case: &Case, n: usize, step: &Step, got: Got) -> Result<(), String> {
+pub(crate) fn check(case: &Case, n: usize, step: &Step, got: Got) -> Result<(), String> {
     let got_us = match got {
         Got::Allowed { remaining, reset_after } => {
             Expect::Allowed { remaining, reset_after: micros(reset_after) }

@@ -12,7 +12,7 @@ use limiter_server::Server;
 use limiter_server::config::ServerConfig;
 use tokio::net::TcpListener;
 
-pub struct Owner {
+pub(crate) struct Owner {
     pub addr: SocketAddr,
     pub server: Arc<limiter_server::owner::Owner>,
     _dir: tempfile::TempDir,
@@ -20,7 +20,7 @@ pub struct Owner {
 }
 
 impl Owner {
-    pub async fn start(policy: &str, clock: Arc<dyn Clock>) -> Self {
+    pub(crate) async fn start(policy: &str, clock: Arc<dyn Clock>) -> Self {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("policies.yaml");
         std::fs::write(&path, policy).unwrap();
@@ -36,29 +36,29 @@ impl Owner {
         Self { addr: running.grpc, server: running.owner.clone(), _dir: dir, _running: running }
     }
 
-    pub fn url(&self) -> String {
+    pub(crate) fn url(&self) -> String {
         format!("http://{}", self.addr)
     }
 }
 
-pub fn agent(url: &str, id: &str, clock: Arc<dyn Clock>) -> Agent {
+pub(crate) fn agent(url: &str, id: &str, clock: Arc<dyn Clock>) -> Agent {
     let config = AgentConfig::new(url, id).with_rpc_timeout(Duration::from_millis(500));
     Agent::with_clock(config, clock).unwrap()
 }
 
-pub fn req<'a>(tenant: &'a str, route: &'a str) -> AgentRequest<'a> {
+pub(crate) fn req<'a>(tenant: &'a str, route: &'a str) -> AgentRequest<'a> {
     AgentRequest { tenant, route, key: None, cost: 1 }
 }
 
 /// A TCP proxy on loopback that can black-hole traffic: while cut, bytes in both
 /// directions are dropped and connections stay open (as behind a failed link).
-pub struct Proxy {
+pub(crate) struct Proxy {
     pub addr: SocketAddr,
     cut: Arc<std::sync::atomic::AtomicBool>,
 }
 
 impl Proxy {
-    pub async fn start(target: SocketAddr) -> Self {
+    pub(crate) async fn start(target: SocketAddr) -> Self {
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
         let cut = Arc::new(std::sync::atomic::AtomicBool::new(false));
@@ -75,11 +75,11 @@ impl Proxy {
         Self { addr, cut }
     }
 
-    pub fn cut(&self, on: bool) {
+    pub(crate) fn cut(&self, on: bool) {
         self.cut.store(on, std::sync::atomic::Ordering::SeqCst);
     }
 
-    pub fn url(&self) -> String {
+    pub(crate) fn url(&self) -> String {
         format!("http://{}", self.addr)
     }
 }

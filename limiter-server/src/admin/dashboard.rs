@@ -36,7 +36,7 @@ const HISTORY: usize = 600;
 
 /// Decision totals at one instant, from the exported counters.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct Totals {
+pub(crate) struct Totals {
     /// Allowed.
     pub allowed: u64,
     /// Rejected.
@@ -50,7 +50,7 @@ pub struct Totals {
 }
 
 /// Reads `limiter_decisions_total` series out of the Prometheus text format.
-pub fn totals(text: &str) -> Totals {
+pub(crate) fn totals(text: &str) -> Totals {
     let mut t = Totals::default();
     let prefix = format!("{}{{", m::DECISIONS);
     for line in text.lines().filter(|l| l.starts_with(&prefix)) {
@@ -84,13 +84,13 @@ pub fn totals(text: &str) -> Totals {
 
 /// The once-a-second history of decision totals.
 #[derive(Debug, Default)]
-pub struct History {
+pub(crate) struct History {
     samples: Mutex<VecDeque<(u64, Totals)>>,
 }
 
 impl History {
     /// Takes one sample at `now` (Unix seconds).
-    pub fn sample(&self, now: u64) {
+    pub(crate) fn sample(&self, now: u64) {
         let handle = m::handle();
         handle.run_upkeep();
         let t = totals(&handle.render());
@@ -128,7 +128,7 @@ fn hitters(v: &[Hitter]) -> Value {
 }
 
 /// The dashboard's data.
-pub fn data(owner: &Owner, history: &History, members: &[String]) -> Value {
+pub(crate) fn data(owner: &Owner, history: &History, members: &[String]) -> Value {
     let handle = m::handle();
     handle.run_upkeep();
     let t = totals(&handle.render());
@@ -198,7 +198,7 @@ fn ring(owner: &Owner, alone: &[String]) -> Value {
 }
 
 /// Samples the history once a second until `cancel` fires.
-pub async fn sample_loop(
+pub(crate) async fn sample_loop(
     owner: Arc<Owner>,
     history: Arc<History>,
     cancel: tokio_util::sync::CancellationToken,
@@ -213,7 +213,7 @@ pub async fn sample_loop(
 }
 
 /// The page: fetches `/dashboard/data` every two seconds and draws it.
-pub const PAGE: &str = include_str!("dashboard.html");
+pub(crate) const PAGE: &str = include_str!("dashboard.html");
 
 #[cfg(test)]
 mod tests {

@@ -2,7 +2,7 @@
 //! (readiness: policy loaded and not draining), `/policy` (the active policy), and the
 //! status page `/dashboard` with its data at `/dashboard/data` ([`dashboard`]).
 
-pub mod dashboard;
+pub(crate) mod dashboard;
 
 use std::sync::Arc;
 
@@ -27,7 +27,7 @@ struct Admin {
 }
 
 /// The admin router over `owner`; `members` are the ring's members as shown.
-pub fn router(owner: Arc<Owner>, history: Arc<History>, members: Vec<String>) -> Router {
+pub(crate) fn router(owner: Arc<Owner>, history: Arc<History>, members: Vec<String>) -> Router {
     let dash = Admin { owner: owner.clone(), history, members: Arc::new(members) };
     let page = || async { ([(header::CONTENT_TYPE, "text/html; charset=utf-8")], dashboard::PAGE) };
     Router::new()

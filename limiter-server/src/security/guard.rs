@@ -13,16 +13,16 @@ use std::task::{Context, Poll};
 use arc_swap::ArcSwap;
 use parking_lot::Mutex;
 use rustls::pki_types::{CertificateDer, ServerName};
-use tonic::transport::server::{TcpConnectInfo, TlsConnectInfo};
+use tonic::transport::server::TlsConnectInfo;
 
-pub use crate::config::security::AuthMode;
+pub(crate) use crate::config::security::AuthMode;
 use crate::convert::FORWARDED;
 use crate::listener::ConnInfo;
 use crate::metrics as m;
 
 /// What an identity may do.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub struct Roles {
+pub(crate) struct Roles {
     /// Decisions, leases, topology, Envoy calls.
     pub client: bool,
     /// What nodes send each other: handoffs and forwarded calls (implies `client`).
@@ -33,7 +33,7 @@ pub struct Roles {
 
 /// A caller the listener recognised.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Identity {
+pub(crate) struct Identity {
     /// Its name (a token's name; `certificate` for a client certificate).
     pub name: Arc<str>,
     /// What it may do.
@@ -42,7 +42,7 @@ pub struct Identity {
 
 /// Tokens by the SHA-256 of their value, so that the file may hold digests only.
 #[derive(Debug, Default)]
-pub struct Tokens {
+pub(crate) struct Tokens {
     by_digest: HashMap<[u8; 32], Identity>,
 }
 
@@ -70,7 +70,7 @@ impl Tokens {
     /// # Errors
     ///
     /// Every bad line, each named by file and line number.
-    pub fn parse(path: &Path, text: &str) -> Result<Self, String> {
+    pub(crate) fn parse(path: &Path, text: &str) -> Result<Self, String> {
         let mut by_digest = HashMap::new();
         let mut errors = Vec::new();
         for (n, line) in text.lines().enumerate() {
@@ -117,24 +117,20 @@ impl Tokens {
     }
 
     /// The identity holding `token`.
-    pub fn find(&self, token: &str) -> Option<&Identity> {
+    pub(crate) fn find(&self, token: &str) -> Option<&Identity> {
         self.by_digest.get(&sha256(token.as_bytes()))
     }
 
     /// How many tokens there are.
-    pub fn len(&self) -> usize {
+    #[cfg(test)]
+    fn len(&self) -> usize {
         self.by_digest.len()
-    }
-
-    /// Whether there are none.
-    pub fn is_empty(&self) -> bool {
-        self.by_digest.is_empty()
     }
 }
 
 /// The tokens file, as last read successfully.
 #[derive(Debug)]
-pub struct TokenFile {
+pub(crate) struct TokenFile {
     path: PathBuf,
     tokens: ArcSwap<Tokens>,
     seen: Mutex<String>,
@@ -146,7 +142,7 @@ impl TokenFile {
     /// # Errors
     ///
     /// An unreadable file, or its bad lines.
-    pub fn load(path: PathBuf) -> Result<Self, String> {
+    pub(crate) fn load(path: PathBuf) -> Result<Self, String> {
         let text = Self::read(&path)?;
         let tokens = Tokens::parse(&path, &text)?;
         Ok(Self { path, tokens: ArcSwap::from_pointee(tokens), seen: Mutex::new(text) })
@@ -158,7 +154,7 @@ impl TokenFile {
     }
 
     /// Reads the file again; `None` when unchanged. A bad version keeps the old tokens.
-    pub fn reload(&self) -> Option<Result<(), String>> {
+    pub(crate) fn reload(&self) -> Option<Result<(), String>> {
         let text = match Self::read(&self.path) {
             Ok(t) => t,
             Err(e) => return Some(Err(e)),
@@ -173,14 +169,14 @@ impl TokenFile {
     }
 
     /// The tokens now in force.
-    pub fn current(&self) -> arc_swap::Guard<Arc<Tokens>> {
+    pub(crate) fn current(&self) -> arc_swap::Guard<Arc<Tokens>> {
         self.tokens.load()
     }
 }
 
 /// Which protocol a listener speaks, for the shape of its refusals.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Protocol {
+pub(crate) enum Protocol {
     /// gRPC: status in trailers-only responses.
     Grpc,
     /// HTTP: 401 and 403.
@@ -189,7 +185,7 @@ pub enum Protocol {
 
 /// Why a call was refused.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Refusal {
+pub(crate) enum Refusal {
     /// No token, or no client certificate.
     NoCredentials,
     /// An `authorization` value that is not `Bearer <token>`.
@@ -202,7 +198,7 @@ pub enum Refusal {
 
 impl Refusal {
     /// The `reason` label.
-    pub fn label(self) -> &'static str {
+    pub(crate) fn label(self) -> &'static str {
         match self {
             Self::NoCredentials => "no_credentials",
             Self::Malformed => "malformed",
@@ -225,7 +221,7 @@ impl Refusal {
 
 /// A listener's gatekeeper.
 #[derive(Debug)]
-pub struct Guard {
+pub(crate) struct Guard {
     listener: &'static str,
     protocol: Protocol,
     mode: AuthMode,
@@ -247,7 +243,7 @@ impl Guard {
     /// # Errors
     ///
     /// A peer name that is neither a DNS name nor an IP address.
-    pub fn new(
+    pub(crate) fn new(
         listener: &'static str,
         protocol: Protocol,
         mode: AuthMode,
@@ -289,7 +285,7 @@ impl Guard {
             AuthMode::Mtls { .. } => {
                 let certs = req
                     .extensions()
-                    .get::<TlsConnectInfo<ConnInfo<TcpConnectInfo>>>()
+                    .get::<TlsConnectInfo<ConnInfo>>()
                     .and_then(TlsConnectInfo::peer_certs)
                     .filter(|c| !c.is_empty())
                     .ok_or(Refusal::NoCredentials)?;
@@ -386,7 +382,7 @@ impl Role {
 
 /// The tower layer putting a [`Guard`] in front of a listener's services.
 #[derive(Debug, Clone)]
-pub struct GuardLayer(pub Arc<Guard>);
+pub(crate) struct GuardLayer(pub Arc<Guard>);
 
 impl<S> tower::Layer<S> for GuardLayer {
     type Service = Guarded<S>;
@@ -398,7 +394,7 @@ impl<S> tower::Layer<S> for GuardLayer {
 
 /// A service behind a [`Guard`].
 #[derive(Debug, Clone)]
-pub struct Guarded<S> {
+pub(crate) struct Guarded<S> {
     inner: S,
     guard: Arc<Guard>,
 }

@@ -10,8 +10,8 @@
 //! - how this node calls its peers (`security.peers`): the CA it trusts, the
 //!   certificate it presents, the token it sends.
 
-pub mod guard;
-pub mod tls;
+pub(crate) mod guard;
+pub(crate) mod tls;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -19,9 +19,7 @@ use std::time::Duration;
 use limiter_proto::connect::ClientSecurity;
 use tokio_util::sync::CancellationToken;
 
-pub use crate::config::security::{
-    AuthMode, ClientCerts, ListenerSecurity, PeerClient, SecurityConfig, TlsFiles,
-};
+pub(crate) use crate::config::security::{AuthMode, ClientCerts, ListenerSecurity, SecurityConfig};
 
 use self::guard::{Guard, Protocol, TokenFile};
 use self::tls::TlsState;
@@ -34,7 +32,7 @@ const ADMIN_OPEN: &[&str] = &["/healthz", "/readyz"];
 
 /// TLS states, guards and the peer client, loaded from a [`SecurityConfig`].
 #[derive(Debug)]
-pub struct Security {
+pub(crate) struct Security {
     /// The gRPC listener's TLS.
     pub grpc_tls: Option<Arc<TlsState>>,
     /// The admin listener's TLS.
@@ -49,29 +47,12 @@ pub struct Security {
 }
 
 impl Security {
-    /// Plaintext and open (tests, embedding).
-    pub fn open() -> Self {
-        let guard = |name, protocol, open| {
-            Arc::new(
-                Guard::new(name, protocol, AuthMode::None, None, open).expect("no names to check"),
-            )
-        };
-        Self {
-            grpc_tls: None,
-            admin_tls: None,
-            grpc_guard: guard("grpc", Protocol::Grpc, GRPC_OPEN),
-            admin_guard: guard("admin", Protocol::Http, ADMIN_OPEN),
-            peers: ClientSecurity::plaintext(),
-            tokens: None,
-        }
-    }
-
     /// Reads every file the configuration names.
     ///
     /// # Errors
     ///
     /// Every unreadable or invalid file, each named with its field.
-    pub fn load(c: &SecurityConfig) -> Result<Self, String> {
+    pub(crate) fn load(c: &SecurityConfig) -> Result<Self, String> {
         let mut errors = Vec::new();
         let e = &mut errors;
         let tokens = c.tokens_file.clone().and_then(|p| keep(e, TokenFile::load(p))).map(Arc::new);
@@ -127,7 +108,7 @@ impl Security {
 
     /// Reads the certificate and token files again and puts changed, valid ones in
     /// force. Bad ones are logged and counted; what was in force stays.
-    pub fn reload(&self) {
+    pub(crate) fn reload(&self) {
         for tls in [&self.grpc_tls, &self.admin_tls].into_iter().flatten() {
             report(tls.listener(), "certificate", tls.reload());
         }
@@ -137,7 +118,7 @@ impl Security {
     }
 
     /// Reloads every `every` until cancelled.
-    pub async fn watch(self: Arc<Self>, every: Duration, cancel: CancellationToken) {
+    pub(crate) async fn watch(self: Arc<Self>, every: Duration, cancel: CancellationToken) {
         if self.grpc_tls.is_none() && self.admin_tls.is_none() && self.tokens.is_none() {
             return;
         }

@@ -25,10 +25,10 @@ const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 /// Handshakes in progress at once on one listener; more wait to be accepted.
 const MAX_HANDSHAKES: usize = 1024;
 
-pub use crate::config::security::{ClientCerts, TlsFiles};
+pub(crate) use crate::config::security::{ClientCerts, TlsFiles};
 
 /// A listener's TLS: its files and the configuration made of them last.
-pub struct TlsState {
+pub(crate) struct TlsState {
     listener: &'static str,
     files: TlsFiles,
     client_certs: ClientCerts,
@@ -62,7 +62,7 @@ impl TlsState {
     ///
     /// An unreadable file, or one that holds no usable certificate or key; the message
     /// names the field (under `security.<listener>`) and the file.
-    pub fn load(
+    pub(crate) fn load(
         listener: &'static str,
         files: TlsFiles,
         client_certs: ClientCerts,
@@ -96,7 +96,7 @@ impl TlsState {
     /// use them. `None`: unchanged.
     ///
     /// A bad new certificate keeps the old one in service.
-    pub fn reload(&self) -> Option<Result<(), String>> {
+    pub(crate) fn reload(&self) -> Option<Result<(), String>> {
         let section = section(self.listener);
         let contents = match Self::read_all(&section, &self.files) {
             Ok(c) => c,
@@ -115,7 +115,7 @@ impl TlsState {
     }
 
     /// The listener's label in metrics.
-    pub fn listener(&self) -> &'static str {
+    pub(crate) fn listener(&self) -> &'static str {
         self.listener
     }
 
@@ -175,11 +175,11 @@ fn build(
 }
 
 /// A connection counted by its listener, under TLS.
-pub type TlsConn = TlsStream<Conn<TcpStream>>;
+pub(crate) type TlsConn = TlsStream<Conn<TcpStream>>;
 
 /// Takes the connections of `incoming` through their TLS handshake and hands over
 /// those that succeed, in the order they finish. Stops when the receiver is dropped.
-pub fn accept(
+pub(crate) fn accept(
     mut incoming: mpsc::Receiver<Conn<TcpStream>>,
     tls: Arc<TlsState>,
 ) -> mpsc::Receiver<TlsConn> {

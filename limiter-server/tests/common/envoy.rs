@@ -5,7 +5,7 @@ use limiter_proto::envoy::extensions::common::ratelimit::v3::rate_limit_descript
 use limiter_proto::envoy::service::ratelimit::v3::RateLimitResponse;
 
 /// A descriptor of `entries` with an optional per-descriptor `hits_addend`.
-pub fn descriptor(entries: &[(&str, &str)], hits: Option<u64>) -> RateLimitDescriptor {
+pub(crate) fn descriptor(entries: &[(&str, &str)], hits: Option<u64>) -> RateLimitDescriptor {
     RateLimitDescriptor {
         entries: entries
             .iter()
@@ -17,6 +17,6 @@ pub fn descriptor(entries: &[(&str, &str)], hits: Option<u64>) -> RateLimitDescr
 }
 
 /// The value of the response header `name`, if the answer adds it.
-pub fn header<'a>(r: &'a RateLimitResponse, name: &str) -> Option<&'a str> {
+pub(crate) fn header<'a>(r: &'a RateLimitResponse, name: &str) -> Option<&'a str> {
     r.response_headers_to_add.iter().find(|h| h.key == name).map(|h| h.value.as_str())
 }

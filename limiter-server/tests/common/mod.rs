@@ -13,13 +13,13 @@ use limiter_server::config::ServerConfig;
 use limiter_server::{Running, Server};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
-pub mod envoy;
-pub mod pki;
-pub mod process;
-pub mod redis;
+pub(crate) mod envoy;
+pub(crate) mod pki;
+pub(crate) mod process;
+pub(crate) mod redis;
 use tonic::transport::Channel;
 
-pub struct TestServer {
+pub(crate) struct TestServer {
     pub grpc: SocketAddr,
     pub admin: SocketAddr,
     pub dir: tempfile::TempDir,
@@ -50,7 +50,7 @@ macro_rules! on_each_store {
 
 /// The store a test server runs on.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Backend {
+pub(crate) enum Backend {
     /// In memory (the default).
     Memory,
     /// A `redis-server` of its own, with this server's batches.
@@ -59,7 +59,7 @@ pub enum Backend {
 
 impl TestServer {
     /// Starts a server on `policy` with extra `LIMITER__*` settings.
-    pub async fn start_with(policy: &str, env: &[(&str, &str)]) -> Self {
+    pub(crate) async fn start_with(policy: &str, env: &[(&str, &str)]) -> Self {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("policies.yaml");
         std::fs::write(&path, policy).unwrap();
@@ -76,7 +76,7 @@ impl TestServer {
     }
 
     /// Starts a server on `policy` with its store on `backend`.
-    pub async fn start_on(backend: Backend, policy: &str) -> Self {
+    pub(crate) async fn start_on(backend: Backend, policy: &str) -> Self {
         match backend {
             Backend::Memory => Self::start(policy).await,
             Backend::Redis => {
@@ -93,36 +93,36 @@ impl TestServer {
         }
     }
 
-    pub async fn start(policy: &str) -> Self {
+    pub(crate) async fn start(policy: &str) -> Self {
         Self::start_with(policy, &[]).await
     }
 
-    pub async fn native(&self) -> RateLimiterClient<Channel> {
+    pub(crate) async fn native(&self) -> RateLimiterClient<Channel> {
         RateLimiterClient::connect(format!("http://{}", self.grpc)).await.unwrap()
     }
 
-    pub async fn envoy(&self) -> RateLimitServiceClient<Channel> {
+    pub(crate) async fn envoy(&self) -> RateLimitServiceClient<Channel> {
         RateLimitServiceClient::connect(format!("http://{}", self.grpc)).await.unwrap()
     }
 
     /// GET on the admin port: (status, body).
-    pub async fn get(&self, path: &str) -> (u16, String) {
+    pub(crate) async fn get(&self, path: &str) -> (u16, String) {
         http_get(self.admin, path).await
     }
 
     /// Stops the server and waits for it.
-    pub async fn stop(self) {
+    pub(crate) async fn stop(self) {
         tokio::time::timeout(Duration::from_secs(10), self.running.stop()).await.unwrap().unwrap();
     }
 }
 
 /// A minimal HTTP/1.1 GET (no client library needed for a loopback admin port).
-pub async fn http_get(addr: SocketAddr, path: &str) -> (u16, String) {
+pub(crate) async fn http_get(addr: SocketAddr, path: &str) -> (u16, String) {
     http_get_with(addr, path, "").await
 }
 
 /// Like [`http_get`] with extra header lines (each ending in `\r\n`).
-pub async fn http_get_with(addr: SocketAddr, path: &str, headers: &str) -> (u16, String) {
+pub(crate) async fn http_get_with(addr: SocketAddr, path: &str, headers: &str) -> (u16, String) {
     let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
     let req = format!("GET {path} HTTP/1.1\r\nHost: {addr}\r\n{headers}Connection: close\r\n\r\n");
     s.write_all(req.as_bytes()).await.unwrap();
@@ -136,13 +136,13 @@ pub async fn http_get_with(addr: SocketAddr, path: &str, headers: &str) -> (u16,
 }
 
 /// `LIMITER__*` settings as `ServerConfig::load_with_env` takes them.
-pub fn settings(pairs: &[(&str, &str)]) -> Vec<(String, String)> {
+pub(crate) fn settings(pairs: &[(&str, &str)]) -> Vec<(String, String)> {
     pairs.iter().map(|(k, v)| ((*k).to_owned(), (*v).to_owned())).collect()
 }
 
 /// The settings of node `a` of a static cluster of `a` and `b` on ports nothing
 /// listens on, with `extra` ones after them.
-pub fn node_a(extra: &[(&str, &str)]) -> Vec<(String, String)> {
+pub(crate) fn node_a(extra: &[(&str, &str)]) -> Vec<(String, String)> {
     let mut v = settings(&[
         ("LIMITER__POLICY_FILE", "p.yaml"),
         ("LIMITER__CLUSTER__MEMBERSHIP", "static"),
@@ -153,20 +153,20 @@ pub fn node_a(extra: &[(&str, &str)]) -> Vec<(String, String)> {
     v
 }
 
-pub fn ask(tenant: &str, route: &str) -> pb::ShouldAllowRequest {
+pub(crate) fn ask(tenant: &str, route: &str) -> pb::ShouldAllowRequest {
     pb::ShouldAllowRequest { tenant: tenant.into(), route: route.into(), ..Default::default() }
 }
 
-pub fn ask_key(tenant: &str, route: &str, key: &str) -> pb::ShouldAllowRequest {
+pub(crate) fn ask_key(tenant: &str, route: &str, key: &str) -> pb::ShouldAllowRequest {
     pb::ShouldAllowRequest { key: key.into(), ..ask(tenant, route) }
 }
 
-pub fn ask_cost(tenant: &str, route: &str, cost: u64) -> pb::ShouldAllowRequest {
+pub(crate) fn ask_cost(tenant: &str, route: &str, cost: u64) -> pb::ShouldAllowRequest {
     pb::ShouldAllowRequest { cost: Some(cost), ..ask(tenant, route) }
 }
 
 /// Sends `req` `n` times; returns how many were allowed.
-pub async fn allowed_of(
+pub(crate) async fn allowed_of(
     c: &mut RateLimiterClient<Channel>,
     req: &pb::ShouldAllowRequest,
     n: usize,
@@ -181,7 +181,7 @@ pub async fn allowed_of(
 }
 
 /// Polls `f` every 20 ms until it is true or `within` passes; returns whether it was.
-pub async fn eventually<F, Fut>(within: Duration, mut f: F) -> bool
+pub(crate) async fn eventually<F, Fut>(within: Duration, mut f: F) -> bool
 where
     F: FnMut() -> Fut,
     Fut: std::future::Future<Output = bool>,

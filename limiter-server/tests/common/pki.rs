@@ -8,26 +8,26 @@ use std::process::Command;
 
 /// A CA: its certificate and key.
 #[derive(Debug, Clone)]
-pub struct Ca {
+pub(crate) struct Ca {
     pub cert: PathBuf,
     pub key: PathBuf,
 }
 
 /// A certificate and its key.
 #[derive(Debug, Clone)]
-pub struct Leaf {
+pub(crate) struct Leaf {
     pub cert: PathBuf,
     pub key: PathBuf,
 }
 
 impl Leaf {
     /// The certificate's PEM.
-    pub fn cert_pem(&self) -> Vec<u8> {
+    pub(crate) fn cert_pem(&self) -> Vec<u8> {
         std::fs::read(&self.cert).unwrap()
     }
 
     /// The key's PEM.
-    pub fn key_pem(&self) -> Vec<u8> {
+    pub(crate) fn key_pem(&self) -> Vec<u8> {
         std::fs::read(&self.key).unwrap()
     }
 }
@@ -39,7 +39,7 @@ fn openssl(dir: &Path, args: &[&str]) {
 
 impl Ca {
     /// A new self-signed CA named `name`, its files in `dir`.
-    pub fn new(dir: &Path, name: &str) -> Self {
+    pub(crate) fn new(dir: &Path, name: &str) -> Self {
         let (cert, key) = (format!("{name}.pem"), format!("{name}.key"));
         openssl(
             dir,
@@ -69,13 +69,13 @@ impl Ca {
     }
 
     /// The CA certificate's PEM.
-    pub fn pem(&self) -> Vec<u8> {
+    pub(crate) fn pem(&self) -> Vec<u8> {
         std::fs::read(&self.cert).unwrap()
     }
 
     /// A certificate for `names` (DNS names or IP addresses), for servers and clients,
     /// its files `file.pem` and `file.key` in the CA's folder.
-    pub fn issue(&self, file: &str, names: &[&str]) -> Leaf {
+    pub(crate) fn issue(&self, file: &str, names: &[&str]) -> Leaf {
         let dir = self.cert.parent().unwrap();
         let sans: Vec<String> = names
             .iter()

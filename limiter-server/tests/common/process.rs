@@ -7,7 +7,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
 /// A server process on free loopback ports, killed when dropped.
-pub struct Process {
+pub(crate) struct Process {
     pub grpc: SocketAddr,
     pub admin: SocketAddr,
     child: Child,
@@ -21,12 +21,16 @@ fn free_port() -> SocketAddr {
 impl Process {
     /// Starts the server on `policy` with extra `LIMITER__*` settings, and waits for
     /// `/healthz`.
-    pub async fn start(policy: &Path, env: &[(&str, &str)]) -> Self {
+    pub(crate) async fn start(policy: &Path, env: &[(&str, &str)]) -> Self {
         Self::start_limited(policy, env, None).await
     }
 
     /// Like [`Self::start`], with the open-file limit (soft and hard) set to `files`.
-    pub async fn start_limited(policy: &Path, env: &[(&str, &str)], files: Option<u64>) -> Self {
+    pub(crate) async fn start_limited(
+        policy: &Path,
+        env: &[(&str, &str)],
+        files: Option<u64>,
+    ) -> Self {
         let (grpc, admin) = (free_port(), free_port());
         let bin = env!("CARGO_BIN_EXE_limiter-server");
         let mut cmd = match files {
@@ -65,12 +69,12 @@ impl Process {
     }
 
     /// The `/metrics` text.
-    pub async fn metrics(&self) -> String {
+    pub(crate) async fn metrics(&self) -> String {
         super::http_get(self.admin, "/metrics").await.1
     }
 
     /// Kills the process.
-    pub fn stop(&mut self) {
+    pub(crate) fn stop(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();
     }

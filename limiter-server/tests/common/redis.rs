@@ -11,12 +11,12 @@ use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
 /// A free loopback port (bound and released; the OS does not hand it out again soon).
-pub fn free_port() -> u16 {
+pub(crate) fn free_port() -> u16 {
     TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
 }
 
 /// Sends one inline command and returns the reply's first line (`None`: no answer).
-pub fn command(port: u16, cmd: &str) -> Option<String> {
+pub(crate) fn command(port: u16, cmd: &str) -> Option<String> {
     let mut s = TcpStream::connect(("127.0.0.1", port)).ok()?;
     s.set_read_timeout(Some(Duration::from_millis(500))).ok()?;
     s.write_all(format!("{cmd}\r\n").as_bytes()).ok()?;
@@ -27,7 +27,7 @@ pub fn command(port: u16, cmd: &str) -> Option<String> {
 
 /// Script calls a Redis has answered so far (`EVALSHA`, and `EVAL` after a
 /// `NOSCRIPT`), from its own `INFO commandstats`.
-pub fn script_calls(port: u16) -> u64 {
+pub(crate) fn script_calls(port: u16) -> u64 {
     let info = command(port, "INFO commandstats").unwrap_or_default();
     info.lines()
         .filter(|l| l.starts_with("cmdstat_evalsha:") || l.starts_with("cmdstat_eval:"))
@@ -36,7 +36,7 @@ pub fn script_calls(port: u16) -> u64 {
 }
 
 /// One `redis-server`.
-pub struct RedisServer {
+pub(crate) struct RedisServer {
     pub port: u16,
     child: Option<Child>,
     dir: tempfile::TempDir,
@@ -45,12 +45,12 @@ pub struct RedisServer {
 
 impl RedisServer {
     /// Starts a server (snapshots only when asked with `SAVE`, kept in its directory).
-    pub fn start() -> Self {
+    pub(crate) fn start() -> Self {
         Self::start_with(&[])
     }
 
     /// Starts a server with extra `--option value` arguments.
-    pub fn start_with(extra: &[&str]) -> Self {
+    pub(crate) fn start_with(extra: &[&str]) -> Self {
         let dir = tempfile::tempdir().unwrap();
         let mut s = Self {
             port: free_port(),
@@ -63,17 +63,17 @@ impl RedisServer {
     }
 
     /// The server's URL.
-    pub fn url(&self) -> String {
+    pub(crate) fn url(&self) -> String {
         format!("redis://127.0.0.1:{}", self.port)
     }
 
     /// Its directory (snapshot, cluster state).
-    pub fn dir(&self) -> &Path {
+    pub(crate) fn dir(&self) -> &Path {
         self.dir.path()
     }
 
     /// Starts (again) on the same port and directory: data saved before is loaded.
-    pub fn restart(&mut self) {
+    pub(crate) fn restart(&mut self) {
         let mut cmd = Command::new("redis-server");
         cmd.arg("--port")
             .arg(self.port.to_string())
@@ -102,7 +102,7 @@ impl RedisServer {
     }
 
     /// Saves a snapshot and stops (the data survives a restart).
-    pub fn stop_saving(&mut self) {
+    pub(crate) fn stop_saving(&mut self) {
         let _ = command(self.port, "SHUTDOWN SAVE");
         if let Some(mut c) = self.child.take() {
             let _ = c.wait();
@@ -110,12 +110,12 @@ impl RedisServer {
     }
 
     /// Pauses the process (SIGSTOP): connections stay open, nothing answers.
-    pub fn pause(&self) {
+    pub(crate) fn pause(&self) {
         self.signal("-STOP");
     }
 
     /// Resumes a paused process.
-    pub fn resume(&self) {
+    pub(crate) fn resume(&self) {
         self.signal("-CONT");
     }
 
@@ -126,7 +126,7 @@ impl RedisServer {
     }
 
     /// Kills the process at once.
-    pub fn kill(&mut self) {
+    pub(crate) fn kill(&mut self) {
         if let Some(mut c) = self.child.take() {
             self.resume();
             let _ = c.kill();
@@ -145,13 +145,13 @@ impl Drop for RedisServer {
 }
 
 /// A three-master Redis Cluster (no replicas).
-pub struct RedisCluster {
+pub(crate) struct RedisCluster {
     pub nodes: Vec<RedisServer>,
 }
 
 impl RedisCluster {
     /// Starts three nodes and creates the cluster; waits until every slot is served.
-    pub fn start() -> Self {
+    pub(crate) fn start() -> Self {
         let nodes: Vec<RedisServer> = (0..3)
             .map(|_| {
                 RedisServer::start_with(&[
@@ -189,7 +189,7 @@ impl RedisCluster {
     }
 
     /// The seed URLs, comma-separated (`store.redis.cluster_nodes`).
-    pub fn urls(&self) -> String {
+    pub(crate) fn urls(&self) -> String {
         self.nodes.iter().map(RedisServer::url).collect::<Vec<_>>().join(",")
     }
 }

@@ -9,7 +9,7 @@ use loadtest::scenario::Scenario;
 /// report, and checks what must hold whatever the faults: no process crashed, every
 /// fault was done, and every offered request is sent or unsent, every sent one
 /// admitted, rejected or failed.
-pub async fn run_checked(s: &Scenario) -> Report {
+pub(crate) async fn run_checked(s: &Scenario) -> Report {
     loadtest::procs::use_binary(PathBuf::from(env!("CARGO_BIN_EXE_loadtest")));
     let r = loadtest::run::run(s, loadtest::run::Options::default()).await.unwrap();
     println!("{}", r.markdown());

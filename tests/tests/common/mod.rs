@@ -13,30 +13,35 @@ use limiter_tests::{ServerProcess, free_addr};
 use tonic::transport::Channel;
 
 /// The server binary built for these tests.
-pub fn bin() -> &'static Path {
+pub(crate) fn bin() -> &'static Path {
     Path::new(env!("CARGO_BIN_EXE_limiter-server-under-test"))
 }
 
 /// One node's identity and ports (kept across restarts).
 #[derive(Debug, Clone)]
-pub struct Node {
+pub(crate) struct Node {
     pub id: String,
     pub grpc: SocketAddr,
     pub admin: SocketAddr,
 }
 
 impl Node {
-    pub fn new(id: &str) -> Self {
+    pub(crate) fn new(id: &str) -> Self {
         Self { id: id.to_owned(), grpc: free_addr(), admin: free_addr() }
     }
 
     /// `cluster.peers` naming every node.
-    pub fn static_peers(nodes: &[Node]) -> String {
+    pub(crate) fn static_peers(nodes: &[Node]) -> String {
         nodes.iter().map(|n| format!("{}={}", n.id, n.grpc)).collect::<Vec<_>>().join(",")
     }
 
     /// Starts this node with static membership over `peers`, plus `extra` settings.
-    pub fn spawn(&self, policy: &Path, peers: &str, extra: &[(&str, &str)]) -> ServerProcess {
+    pub(crate) fn spawn(
+        &self,
+        policy: &Path,
+        peers: &str,
+        extra: &[(&str, &str)],
+    ) -> ServerProcess {
         let mut env = vec![
             ("LIMITER__CLUSTER__MEMBERSHIP".to_owned(), "static".to_owned()),
             ("LIMITER__CLUSTER__PEERS".to_owned(), peers.to_owned()),
@@ -55,7 +60,7 @@ impl Node {
 }
 
 /// A client of the node at `addr`.
-pub async fn client(addr: SocketAddr) -> RateLimiterClient<Channel> {
+pub(crate) async fn client(addr: SocketAddr) -> RateLimiterClient<Channel> {
     let ch = tonic::transport::Endpoint::from_shared(format!("http://{addr}"))
         .unwrap()
         .connect_timeout(Duration::from_millis(500))
@@ -65,7 +70,10 @@ pub async fn client(addr: SocketAddr) -> RateLimiterClient<Channel> {
 }
 
 /// Waits until the node sees `n` members (and is ready).
-pub async fn wait_members(c: &mut RateLimiterClient<Channel>, n: usize) -> pb::TopologyResponse {
+pub(crate) async fn wait_members(
+    c: &mut RateLimiterClient<Channel>,
+    n: usize,
+) -> pb::TopologyResponse {
     let mut last = None;
     for _ in 0..300 {
         if let Ok(t) = c.topology(pb::TopologyRequest::default()).await {
@@ -81,7 +89,7 @@ pub async fn wait_members(c: &mut RateLimiterClient<Channel>, n: usize) -> pb::T
 }
 
 /// The owners of `tenants` as the node sees them.
-pub async fn owners(c: &mut RateLimiterClient<Channel>, tenants: &[String]) -> Vec<String> {
+pub(crate) async fn owners(c: &mut RateLimiterClient<Channel>, tenants: &[String]) -> Vec<String> {
     let mut out = Vec::with_capacity(tenants.len());
     for chunk in tenants.chunks(5_000) {
         let t =
@@ -92,7 +100,7 @@ pub async fn owners(c: &mut RateLimiterClient<Channel>, tenants: &[String]) -> V
 }
 
 /// A request of cost 1 on route `/r`.
-pub fn allow(tenant: &str) -> pb::ShouldAllowRequest {
+pub(crate) fn allow(tenant: &str) -> pb::ShouldAllowRequest {
     pb::ShouldAllowRequest {
         tenant: tenant.to_owned(),
         route: "/r".to_owned(),
@@ -102,7 +110,7 @@ pub fn allow(tenant: &str) -> pb::ShouldAllowRequest {
 
 /// Writes `policy` to a file in `dir`, starts nodes `ids` with static membership over
 /// all of them (plus `extra` settings), and waits until each is ready and sees them all.
-pub async fn start_nodes(
+pub(crate) async fn start_nodes(
     dir: &Path,
     policy: &str,
     ids: &[&str],

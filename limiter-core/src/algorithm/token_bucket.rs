@@ -6,7 +6,7 @@
 
 use std::num::NonZeroU64;
 
-use super::{Algorithm, div_ceil_u128, div_u128, max_charged, sat_u64};
+use super::{Algorithm, Check, div_ceil_u128, div_u128, max_charged, sat_u64};
 use crate::clock::Nanos;
 use crate::rate::Rate;
 
@@ -117,6 +117,43 @@ impl Algorithm for TokenBucket {
 
     fn is_idle(&self, state: &Self::State, now: Nanos) -> bool {
         state.tat() <= self.scaled(now)
+    }
+
+    /// One pass over the state (the default checks, then charges): `cost` fits when
+    /// the bucket spent ahead of now, plus the cost, is within its capacity; what is
+    /// left is then exactly the default's (`cost x period` is a whole number of
+    /// tokens, so it comes off the floor exactly).
+    fn check(&self, state: &Self::State, now: Nanos, cost: u64) -> Check {
+        if cost == 0 {
+            return Check::Admit { remaining: self.remaining(state, now) };
+        }
+        let need = self.used(state, now).saturating_add(u128::from(cost) * self.period());
+        match self.capacity_scaled().checked_sub(need) {
+            Some(room) => Check::Admit { remaining: sat_u64(div_u128(room, self.period())) },
+            None => {
+                Check::Deny { retry_after: self.retry_after(state, now, cost.min(self.capacity())) }
+            }
+        }
+    }
+
+    fn try_acquire(&self, state: &mut Self::State, now: Nanos, cost: u64) -> Check {
+        if cost == 0 {
+            return Check::Admit { remaining: self.remaining(state, now) };
+        }
+        let now_s = self.scaled(now);
+        let tat = state.tat();
+        let used = tat.saturating_sub(now_s);
+        let need = used.saturating_add(u128::from(cost) * self.period());
+        match self.capacity_scaled().checked_sub(need) {
+            Some(room) => {
+                // Within capacity, so within the debt cap of `charge`.
+                state.set_tat(tat.max(now_s) + u128::from(cost) * self.period());
+                Check::Admit { remaining: sat_u64(div_u128(room, self.period())) }
+            }
+            None => {
+                Check::Deny { retry_after: self.retry_after(state, now, cost.min(self.capacity())) }
+            }
+        }
     }
 
     fn plausible(&self, state: &Self::State, now: Nanos, skew: Nanos) -> bool {

@@ -145,3 +145,30 @@ fn clock_now(clock: &ManualClock) -> u64 {
     use limiter_core::clock::Clock as _;
     clock.now()
 }
+
+#[tokio::test]
+async fn routing_forwards_client_calls_and_answers_moved_to_forwarded_ones() {
+    use limiter_server::api::routing::target;
+    let clock = Arc::new(ManualClock::new(START));
+    let a = node(&clock);
+    let leases = Leases::default();
+    let all = Ring::new(1, vec![member("a", 1), member("b", 2), member("c", 3)]);
+    a.install(all.clone(), None, &leases).await;
+    clock.advance(Duration::from_secs(10));
+    let tenants = owners(&all, 30);
+    let (mine, theirs): (Vec<_>, Vec<_>) = tenants.iter().partition(|(_, o)| o == "a");
+    assert!(!mine.is_empty() && !theirs.is_empty());
+    for (t, _) in &mine {
+        // Its own tenants are decided here, whatever the hop.
+        for hop in 0..3 {
+            assert!(target(&a, t, hop).await.is_none(), "{t} at hop {hop}");
+        }
+    }
+    for (t, o) in &theirs {
+        // A client's call is forwarded to the owner; a call forwarded once already is
+        // answered "moved" (the owner is named); a redirected one is decided here.
+        assert!(matches!(target(&a, t, 0).await, Some(Ok(m)) if &*m.id == o.as_str()), "{t}");
+        assert!(matches!(target(&a, t, 1).await, Some(Err(m)) if &*m.id == o.as_str()), "{t}");
+        assert!(target(&a, t, 2).await.is_none(), "{t}");
+    }
+}

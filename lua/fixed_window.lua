@@ -37,7 +37,7 @@ function fixed_window.reset_after(lv, now)
 end
 
 function fixed_window.charge(lv, now, stamp, cost)
-  lv.count = math.min(lv.count + cost, TWO52)
+  lv.count = math.min(lv.count + cost, max_charged(lv.p1))
   lv.dirty = true
 end
 

@@ -10,6 +10,13 @@
 
 local TWO52 = 4503599627370496
 
+-- The most units a level of `capacity` holds charged at once, debt included: ten
+-- allowances beyond its limit, as limiter-core's MAX_DEBT_ALLOWANCES, so a charge
+-- past the limit (a cost reported above its estimate) is a bounded wait.
+local function max_charged(capacity)
+  return math.min(capacity * 11, TWO52)
+end
+
 -- floor(x / y) for integers x >= 0, y > 0.
 local function idiv(x, y)
   local q = math.floor(x / y)

@@ -66,7 +66,7 @@ function sliding_counter.reset_after(lv, now)
 end
 
 function sliding_counter.charge(lv, now, stamp, cost)
-  lv.curr = math.min(lv.curr + cost, TWO52)
+  lv.curr = math.min(lv.curr + cost, max_charged(lv.p1))
   lv.dirty = true
 end
 

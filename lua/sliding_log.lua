@@ -63,6 +63,21 @@ end
 
 function sliding_log.charge(lv, now, stamp, cost)
   if cost <= 0 then return end
+  -- Debt is capped in units (ten allowances, as limiter-core's), never in time: at
+  -- the cap, the newest entry only counts for longer.
+  cost = math.min(cost, max_charged(lv.p1) - lv.total)
+  if cost <= 0 then
+    local t = newest(lv)
+    if t and stamp > t then
+      local units = tonumber(redis.call('HGET', lv.key, int(t)) or '0')
+      redis.call('HDEL', lv.key, int(t))
+      redis.call('ZREM', lv.log, int(t))
+      redis.call('HSET', lv.key, int(stamp), int(units))
+      redis.call('ZADD', lv.log, int(stamp), int(stamp))
+      lv.dirty = true
+    end
+    return
+  end
   lv.total = math.min(lv.total + cost, TWO52)
   lv.dirty = true
   local m = int(stamp)

@@ -40,8 +40,10 @@ function token_bucket.reset_after(lv, now)
 end
 
 function token_bucket.charge(lv, now, stamp, cost)
-  -- A debt beyond any real use saturates (as limiter-core's does).
-  lv.used = math.min(lv.used + cost * lv.p2, TWO52)
+  -- A debt is capped at ten allowances (as limiter-core's is); an older, deeper
+  -- state is not moved back.
+  local deepest = math.max(max_charged(lv.p3) * lv.p2, lv.used)
+  lv.used = math.min(lv.used + cost * lv.p2, deepest, TWO52)
   lv.dirty = true
 end
 

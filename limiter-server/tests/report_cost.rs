@@ -66,6 +66,30 @@ macro_rules! store_tests {
         }
 
         #[tokio::test]
+        async fn a_report_far_above_its_estimate_owes_at_most_ten_allowances() {
+            let policy = "version: 1\ntenants:\n  llm:\n    routes:\n      /complete: { algorithm: token_bucket, rate: 1/s, burst: 10 }\n";
+            let s = TestServer::start_on(BACKEND, policy).await;
+            let mut c = s.native().await;
+            let a = c.should_allow(estimate(1)).await.unwrap().into_inner();
+            assert!(a.allowed);
+            c.report_cost(report(&a.ticket, 1_000_000)).await.unwrap();
+            // 110 tokens owed at most (the burst and ten more allowances), not a million:
+            // one more token is about 101 s away, not eleven days. (On Redis, units of
+            // the batch leased before the report were paid for before it: spent first.)
+            let mut next = c.should_allow(estimate(1)).await.unwrap().into_inner();
+            for _ in 0..10 {
+                if !next.allowed {
+                    break;
+                }
+                next = c.should_allow(estimate(1)).await.unwrap().into_inner();
+            }
+            assert!(!next.allowed);
+            let wait = next.retry_after.unwrap();
+            assert!((100..=101).contains(&wait.seconds), "{wait:?}");
+            s.stop().await;
+        }
+
+        #[tokio::test]
         async fn forged_tickets_are_refused() {
             let s = TestServer::start_on(BACKEND, POLICY).await;
             let mut c = s.native().await;

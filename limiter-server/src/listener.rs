@@ -506,17 +506,24 @@ mod tests {
         assert!(grpc >= 12 && admin >= 4);
     }
 
+    /// A listener on a free loopback port with these bounds: its address, and the
+    /// connections it hands over.
+    async fn listen(
+        max: usize,
+        header_timeout: Duration,
+        idle_timeout: Duration,
+    ) -> (std::net::SocketAddr, mpsc::Receiver<Conn<TcpStream>>) {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let limits = ConnectionLimits { max, header_timeout, idle_timeout };
+        (addr, accept(listener, "test", limits, CancellationToken::new()))
+    }
+
     #[tokio::test]
     async fn a_silent_connection_times_out_and_a_busy_one_does_not() {
         use tokio::io::AsyncReadExt as _;
-        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = listener.local_addr().unwrap();
-        let limits = ConnectionLimits {
-            max: 1,
-            header_timeout: Duration::from_millis(200),
-            idle_timeout: Duration::from_millis(400),
-        };
-        let mut rx = accept(listener, "test", limits, CancellationToken::new());
+        let (addr, mut rx) =
+            listen(1, Duration::from_millis(200), Duration::from_millis(400)).await;
         let _client = TcpStream::connect(addr).await.unwrap();
         let mut conn = rx.recv().await.unwrap();
         // A request in flight keeps it open past both timeouts.
@@ -541,14 +548,7 @@ mod tests {
     #[tokio::test]
     async fn a_connection_that_never_asks_is_closed_after_the_header_timeout() {
         use tokio::io::AsyncReadExt as _;
-        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = listener.local_addr().unwrap();
-        let limits = ConnectionLimits {
-            max: 4,
-            header_timeout: Duration::from_millis(150),
-            idle_timeout: Duration::from_secs(60),
-        };
-        let mut rx = accept(listener, "test", limits, CancellationToken::new());
+        let (addr, mut rx) = listen(4, Duration::from_millis(150), Duration::from_secs(60)).await;
         let _client = TcpStream::connect(addr).await.unwrap();
         let mut conn = rx.recv().await.unwrap();
         let started = Instant::now();
@@ -561,14 +561,7 @@ mod tests {
     #[tokio::test]
     async fn at_the_cap_a_new_connection_takes_the_place_of_one_that_never_asked() {
         use tokio::io::AsyncReadExt as _;
-        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = listener.local_addr().unwrap();
-        let limits = ConnectionLimits {
-            max: 1,
-            header_timeout: Duration::from_secs(60),
-            idle_timeout: Duration::from_secs(60),
-        };
-        let mut rx = accept(listener, "test", limits, CancellationToken::new());
+        let (addr, mut rx) = listen(1, Duration::from_secs(60), Duration::from_secs(60)).await;
         let _idle = TcpStream::connect(addr).await.unwrap();
         let mut first = rx.recv().await.unwrap();
         let reader = tokio::spawn(async move {

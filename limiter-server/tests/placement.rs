@@ -55,14 +55,20 @@ fn owners(ring: &Ring, n: usize) -> Vec<(String, String)> {
         .collect()
 }
 
-#[tokio::test]
-async fn the_ring_places_tenants_and_a_lost_owner_is_fenced_then_taken_over() {
+/// Node `a` ten seconds after its first view of the ring of `a`, `b` and `c`.
+async fn steady() -> (Arc<ManualClock>, Cluster, Leases, Ring) {
     let clock = Arc::new(ManualClock::new(START));
     let a = node(&clock);
     let leases = Leases::default();
     let all = Ring::new(1, vec![member("a", 1), member("b", 2), member("c", 3)]);
     a.install(all.clone(), None, &leases).await;
     clock.advance(Duration::from_secs(10));
+    (clock, a, leases, all)
+}
+
+#[tokio::test]
+async fn the_ring_places_tenants_and_a_lost_owner_is_fenced_then_taken_over() {
+    let (clock, a, leases, all) = steady().await;
     // Steady state: the ring's owner decides, here or there.
     let tenants = owners(&all, 60);
     for (t, o) in &tenants {
@@ -149,12 +155,7 @@ fn clock_now(clock: &ManualClock) -> u64 {
 #[tokio::test]
 async fn routing_forwards_client_calls_and_answers_moved_to_forwarded_ones() {
     use limiter_server::api::routing::target;
-    let clock = Arc::new(ManualClock::new(START));
-    let a = node(&clock);
-    let leases = Leases::default();
-    let all = Ring::new(1, vec![member("a", 1), member("b", 2), member("c", 3)]);
-    a.install(all.clone(), None, &leases).await;
-    clock.advance(Duration::from_secs(10));
+    let (_clock, a, _leases, all) = steady().await;
     let tenants = owners(&all, 30);
     let (mine, theirs): (Vec<_>, Vec<_>) = tenants.iter().partition(|(_, o)| o == "a");
     assert!(!mine.is_empty() && !theirs.is_empty());

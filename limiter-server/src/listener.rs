@@ -47,11 +47,11 @@ pub(crate) struct Activity {
     requests: AtomicU64,
     /// Milliseconds after `opened` when the last request ended.
     last_ms: AtomicU64,
-    /// Its place under the listener's cap; taken by a newer connection when this one
-    /// has sent no request yet and the listener is full.
+    /// Its place under the listener's cap; taken by a newer connection when the
+    /// listener is full and this one has been idle the longest.
     slot: Mutex<Option<OwnedSemaphorePermit>>,
     evicted: AtomicBool,
-    /// The connection's task, while it has sent no request (so eviction can wake it).
+    /// The connection's task (so an eviction can wake it).
     waker: Mutex<Option<Waker>>,
 }
 
@@ -68,9 +68,9 @@ impl Activity {
         }
     }
 
-    /// Takes this connection's slot if it has sent no request yet; it then closes.
+    /// Takes this connection's slot if it has nothing in flight; it then closes.
     fn evict(&self) -> Option<OwnedSemaphorePermit> {
-        if self.requests.load(Ordering::Acquire) > 0 {
+        if self.in_flight.load(Ordering::Acquire) > 0 {
             return None;
         }
         let slot = self.slot.lock().take()?;
@@ -84,10 +84,15 @@ impl Activity {
     /// A request started; the returned guard ends it.
     pub(crate) fn begin(self: &Arc<Self>) -> Busy {
         // Relaxed: counters read only by this connection's watchdog, which re-checks.
-        self.in_flight.fetch_add(1, Ordering::Relaxed);
-        // Release: an eviction that sees a request leaves the connection alone.
-        self.requests.fetch_add(1, Ordering::Release);
+        // Release: an eviction that sees a request in flight leaves the connection alone.
+        self.in_flight.fetch_add(1, Ordering::Release);
+        self.requests.fetch_add(1, Ordering::Relaxed);
         Busy(self.clone())
+    }
+
+    /// When it last did anything: its last request's end, or its opening.
+    fn last_active(&self) -> Instant {
+        self.opened + Duration::from_millis(self.last_ms.load(Ordering::Relaxed))
     }
 
     fn since_opened_ms(&self) -> u64 {
@@ -143,15 +148,19 @@ impl<IO> Conn<IO> {
             return true;
         }
         let a = &self.activity;
-        if a.requests.load(Ordering::Acquire) == 0 {
-            if a.evicted.load(Ordering::Acquire) {
-                metrics::counter!(m::CONNECTION_TIMEOUTS, "listener" => self.listener, "kind" => "evicted")
-                    .increment(1);
-                self.expired = true;
-                return true;
+        if a.evicted.load(Ordering::Acquire) {
+            metrics::counter!(m::CONNECTION_TIMEOUTS, "listener" => self.listener, "kind" => "evicted")
+                .increment(1);
+            self.expired = true;
+            return true;
+        }
+        // An eviction must be able to wake this task (the waker is cloned only when it
+        // changes).
+        {
+            let mut w = a.waker.lock();
+            if !w.as_ref().is_some_and(|w| w.will_wake(cx.waker())) {
+                *w = Some(cx.waker().clone());
             }
-            // Until its first request, an eviction must be able to wake this task.
-            *a.waker.lock() = Some(cx.waker().clone());
         }
         while self.timer.as_mut().poll(cx).is_ready() {
             let a = &self.activity;
@@ -312,9 +321,8 @@ pub(crate) fn accept(
     let slots = Arc::new(Semaphore::new(limits.max.max(1)));
     metrics::gauge!(m::CONNECTIONS_MAX, "listener" => name).set(limits.max as f64);
     tokio::spawn(async move {
-        // Connections in accept order that may not have sent a request yet.
-        let mut waiting: std::collections::VecDeque<std::sync::Weak<Activity>> =
-            std::collections::VecDeque::new();
+        // Every open connection (dead ones pruned now and then).
+        let mut open: Vec<std::sync::Weak<Activity>> = Vec::new();
         loop {
             let accepted = tokio::select! {
                 () = stop.cancelled() => return,
@@ -332,10 +340,10 @@ pub(crate) fn accept(
             };
             let slot = match slots.clone().try_acquire_owned() {
                 Ok(slot) => Some(slot),
-                // Full: the oldest connection that has not sent a request yet gives
-                // its place up (an idle flood churns itself; callers that ask at
-                // once are served).
-                Err(_) => evict_oldest(&mut waiting),
+                // Full: one that never asked gives its place up, else the one idle
+                // the longest (an idle flood churns itself, and so does one that
+                // asks once and then holds its connections).
+                Err(_) => evict_idlest(&mut open),
             };
             let Some(slot) = slot else {
                 metrics::counter!(m::CONNECTIONS_REFUSED, "listener" => name).increment(1);
@@ -350,12 +358,10 @@ pub(crate) fn accept(
             // No Nagle: a decision is a small message that must leave at once.
             let _ = tcp.set_nodelay(true);
             let activity = Arc::new(Activity::new(slot));
-            if waiting.len() >= 2 * limits.max.max(1) {
-                waiting.retain(|w| {
-                    w.upgrade().is_some_and(|a| a.requests.load(Ordering::Relaxed) == 0)
-                });
+            if open.len() >= 2 * limits.max.max(1) {
+                open.retain(|w| w.strong_count() > 0);
             }
-            waiting.push_back(Arc::downgrade(&activity));
+            open.push(Arc::downgrade(&activity));
             let timer = Box::pin(tokio::time::sleep(limits.header_timeout));
             let conn = Conn { io: tcp, activity, timer, limits, listener: name, expired: false };
             if tx.send(conn).await.is_err() {
@@ -366,17 +372,17 @@ pub(crate) fn accept(
     rx
 }
 
-/// Takes the slot of the oldest live connection in `waiting` that has sent no
-/// request yet.
-fn evict_oldest(
-    waiting: &mut std::collections::VecDeque<std::sync::Weak<Activity>>,
-) -> Option<OwnedSemaphorePermit> {
-    while let Some(w) = waiting.pop_front() {
-        if let Some(slot) = w.upgrade().and_then(|a| a.evict()) {
-            return Some(slot);
-        }
-    }
-    None
+/// Takes the slot of an open connection with nothing in flight: the oldest of those
+/// that never sent a request, else the one idle the longest. `None` when every one is
+/// busy. (A caller that keeps asking is never the first to go.)
+fn evict_idlest(open: &mut Vec<std::sync::Weak<Activity>>) -> Option<OwnedSemaphorePermit> {
+    open.retain(|w| w.strong_count() > 0);
+    let idlest = open
+        .iter()
+        .filter_map(std::sync::Weak::upgrade)
+        .filter(|a| a.in_flight.load(Ordering::Acquire) == 0 && !a.evicted.load(Ordering::Acquire))
+        .min_by_key(|a| (a.requests.load(Ordering::Relaxed) > 0, a.last_active()))?;
+    idlest.evict()
 }
 
 /// The gRPC port's tower layer: marks a connection busy while a call is in flight,
@@ -556,6 +562,31 @@ mod tests {
         let err = conn.read(&mut buf).await.unwrap_err();
         assert_eq!(err.kind(), io::ErrorKind::TimedOut);
         assert!(started.elapsed() < Duration::from_secs(2));
+    }
+
+    #[tokio::test]
+    async fn at_the_cap_an_idle_connection_that_asked_gives_way_and_a_busy_one_does_not() {
+        use tokio::io::AsyncReadExt as _;
+        let (addr, mut rx) = listen(1, Duration::from_secs(60), Duration::from_secs(60)).await;
+        let _one = TcpStream::connect(addr).await.unwrap();
+        let mut first = rx.recv().await.unwrap();
+        // A request in flight: a new connection at the cap is refused.
+        let busy = first.activity().begin();
+        let mut refused = TcpStream::connect(addr).await.unwrap();
+        let mut buf = [0; 8];
+        let closed = tokio::time::timeout(Duration::from_secs(5), refused.read(&mut buf)).await;
+        assert!(matches!(closed, Ok(Ok(0)) | Ok(Err(_))), "{closed:?}");
+        // The request ends: asked once and idle now, it gives way to the next one.
+        drop(busy);
+        let reader = tokio::spawn(async move {
+            let mut buf = [0; 8];
+            first.read(&mut buf).await.map_err(|e| e.kind())
+        });
+        let _two = TcpStream::connect(addr).await.unwrap();
+        let second = rx.recv().await.unwrap();
+        let evicted = tokio::time::timeout(Duration::from_secs(5), reader).await.unwrap().unwrap();
+        assert_eq!(evicted, Err(io::ErrorKind::TimedOut));
+        drop(second);
     }
 
     #[tokio::test]

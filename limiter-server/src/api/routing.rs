@@ -336,17 +336,7 @@ pub async fn lease(
                 cost: Some(item.cost),
                 dry_run: false,
             };
-            let o = owner
-                .decide_with(
-                    Api::Lease,
-                    std::slice::from_ref(&core),
-                    Charge::Each,
-                    Report::Now,
-                    Reach::Unreachable,
-                )
-                .await
-                .map_err(|(_, e)| (i, e))?;
-            g.decision = o.first().map(Outcome::response);
+            g.decision = owner.fallback_decision(&core).await.map_err(|e| (i, e))?;
         }
         out[i] = Some(g);
     }

@@ -148,6 +148,29 @@ impl Leases {
 }
 
 impl Owner {
+    /// The answer for a lease item's waiting request when its owner cannot decide it
+    /// (out of reach, or fenced after a loss): its route's failure policy.
+    ///
+    /// # Errors
+    ///
+    /// A request that can never succeed (names, costs).
+    pub async fn fallback_decision(
+        &self,
+        req: &Request<'_>,
+    ) -> Result<Option<pb::ShouldAllowResponse>, ServerError> {
+        let o = self
+            .decide_with(
+                Api::Lease,
+                std::slice::from_ref(req),
+                Charge::Each,
+                Report::Now,
+                Reach::Unreachable,
+            )
+            .await
+            .map_err(|(_, e)| e)?;
+        Ok(o.first().map(Outcome::response))
+    }
+
     /// Handles one lease call: every item settles its previous lease (if any) and
     /// receives a new grant, a direct decision, or the reason it got nothing.
     ///
@@ -235,17 +258,8 @@ impl Owner {
                             grant.decision = Some(self.refusal(&chain, now, 1_000_000));
                         } else if item.cost > 0 {
                             // The waiting request: its route's failure policy.
-                            let outcome = self
-                                .decide_with(
-                                    Api::Lease,
-                                    std::slice::from_ref(&req),
-                                    Charge::Each,
-                                    Report::Now,
-                                    Reach::Unreachable,
-                                )
-                                .await
-                                .map_err(|(_, e)| (i, e))?;
-                            grant.decision = outcome.first().map(Outcome::response);
+                            grant.decision =
+                                self.fallback_decision(&req).await.map_err(|e| (i, e))?;
                         }
                         grants.push(grant);
                         continue;

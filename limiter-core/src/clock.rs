@@ -77,6 +77,7 @@ impl ManualClock {
     }
 
     /// Moves the clock forward by `by`.
+    #[inline]
     pub fn advance(&self, by: Duration) {
         let by = u64::try_from(by.as_nanos()).unwrap_or(u64::MAX);
         // Relaxed: the clock value is the only shared datum; readers need no other ordering.
@@ -90,6 +91,7 @@ impl ManualClock {
 }
 
 impl Clock for ManualClock {
+    #[inline]
     fn now(&self) -> Nanos {
         self.now.load(Ordering::Relaxed)
     }

@@ -10,7 +10,7 @@ use crate::algorithm::{Algorithm, Check};
 use crate::clock::Nanos;
 use crate::decision::{Binding, Decision, Reason, Scope};
 use crate::limit::LimitState;
-use crate::policy::Chain;
+use crate::policy::{Chain, Level};
 use crate::table::StateTable;
 
 /// A decision and whether shadow mode turns a rejection into an admission.
@@ -66,7 +66,7 @@ pub fn without_counters(chain: &Chain<'_>) -> Option<Verdict> {
             limit: None,
             retry_after: 0,
         }
-    } else if chain.keys().is_empty() {
+    } else if chain.is_empty() {
         Decision::Allowed { remaining: u64::MAX, reset_after: 0, binding: None }
     } else {
         return None;
@@ -120,12 +120,36 @@ impl Limiter {
     }
 
     fn decide_levels(&self, chain: &Chain<'_>, now: Nanos) -> Decision {
-        let mut locked = self.table.lock(chain.keys());
-        let fresh = LimitState::Fresh;
+        let keys = chain.keys();
+        let mut locked = self.table.lock(&keys);
         let cost = chain.cost;
-        // (index, remaining after) of the tightest admitting level.
-        let mut tightest: Option<(usize, u64)> = None;
-        let mut failed: Option<(usize, Nanos)> = None;
+        let charging = !chain.dry_run && cost > 0;
+        if charging && let (1, Some(level)) = (chain.len(), chain.levels().next()) {
+            // One level, the common case: checked and charged in one lookup. A fresh
+            // counter always admits (a chain's cost fits every level's capacity), so
+            // the counter this creates is one an admission would create anyway.
+            let limit = &level.rule.limit;
+            let slot = locked.slot_mut(0, limit, now);
+            return match limit.try_acquire(&mut slot.state, now, cost) {
+                Check::Admit { remaining } => Decision::Allowed {
+                    remaining,
+                    reset_after: limit.reset_after(&slot.state, now),
+                    binding: Some(Binding { scope: level.scope, limit: **limit }),
+                },
+                Check::Deny { retry_after } => Decision::Rejected {
+                    reason: level.scope.reason(),
+                    scope: level.scope,
+                    limit: Some(**limit),
+                    retry_after,
+                },
+            };
+        }
+        let fresh = LimitState::Fresh;
+        // The tightest admitting level (each scope is in a chain once): (level,
+        // remaining after, its reset after as
+        // read now: right for a dry run, replaced after a charge).
+        let mut tightest: Option<(Level<'_>, u64, Nanos)> = None;
+        let mut failed: Option<(Level<'_>, Nanos)> = None;
         for (i, level) in chain.levels().enumerate() {
             let limit = &level.rule.limit;
             let state = locked.get_used(i, limit, now).unwrap_or(&fresh);
@@ -133,21 +157,20 @@ impl Limiter {
                 Check::Admit { remaining } => {
                     // A dry run charges nothing, so nothing is taken off what is left.
                     let remaining = if chain.dry_run { remaining + cost } else { remaining };
-                    if tightest.is_none_or(|(_, r)| remaining < r) {
-                        tightest = Some((i, remaining));
+                    if tightest.is_none_or(|(_, r, _)| remaining < r) {
+                        tightest = Some((level, remaining, limit.reset_after(state, now)));
                     }
                 }
                 Check::Deny { retry_after } => {
                     // Outermost failing level names the scope; the longest wait wins.
                     failed = Some(match failed {
-                        None => (i, retry_after),
+                        None => (level, retry_after),
                         Some((first, wait)) => (first, wait.max(retry_after)),
                     });
                 }
             }
         }
-        if let Some((first, retry_after)) = failed {
-            let level = chain.levels().nth(first).expect("failing level exists");
+        if let Some((level, retry_after)) = failed {
             return Decision::Rejected {
                 reason: level.scope.reason(),
                 scope: level.scope,
@@ -155,31 +178,31 @@ impl Limiter {
                 retry_after,
             };
         }
-        if !chain.dry_run && cost > 0 {
+        let Some((binding, remaining, mut reset_after)) = tightest else {
+            return Decision::Allowed { remaining: u64::MAX, reset_after: 0, binding: None };
+        };
+        if charging {
             for (i, level) in chain.levels().enumerate() {
                 let limit = &level.rule.limit;
                 let slot = locked.slot_mut(i, limit, now);
                 limit.charge(&mut slot.state, now, cost);
-            }
-        }
-        match tightest {
-            None => Decision::Allowed { remaining: u64::MAX, reset_after: 0, binding: None },
-            Some((i, remaining)) => {
-                let level = chain.levels().nth(i).expect("tightest level exists");
-                let limit = &level.rule.limit;
-                let reset_after = limit.reset_after(locked.get(i, limit).unwrap_or(&fresh), now);
-                Decision::Allowed {
-                    remaining,
-                    reset_after,
-                    binding: Some(Binding { scope: level.scope, limit: **limit }),
+                if level.scope == binding.scope {
+                    reset_after = limit.reset_after(&slot.state, now);
                 }
             }
+        }
+        let limit = *binding.rule.limit;
+        Decision::Allowed {
+            remaining,
+            reset_after,
+            binding: Some(Binding { scope: binding.scope, limit }),
         }
     }
 
     /// Units left at the tightest level (`u64::MAX` when no level applies).
     pub fn remaining(&self, chain: &Chain<'_>, now: Nanos) -> u64 {
-        let locked = self.table.lock(chain.keys());
+        let keys = chain.keys();
+        let locked = self.table.lock(&keys);
         let fresh = LimitState::Fresh;
         chain
             .levels()
@@ -193,7 +216,8 @@ impl Limiter {
 
     /// Every level's state, without charging anything (diagnostics, tests).
     pub fn inspect(&self, chain: &Chain<'_>, now: Nanos) -> Vec<LevelView> {
-        let locked = self.table.lock(chain.keys());
+        let keys = chain.keys();
+        let locked = self.table.lock(&keys);
         let fresh = LimitState::Fresh;
         chain
             .levels()
@@ -217,7 +241,8 @@ impl Limiter {
     /// units may be spent until `now + grant.hold`, where `hold` is at most the one
     /// asked for and ends with the window of any window level.
     pub fn grant(&self, chain: &Chain<'_>, now: Nanos, max: u64, hold: Nanos) -> Grant {
-        let mut locked = self.table.lock(chain.keys());
+        let keys = chain.keys();
+        let mut locked = self.table.lock(&keys);
         let fresh = LimitState::Fresh;
         let mut units = max;
         let mut binding = None;
@@ -255,7 +280,8 @@ impl Limiter {
         if units == 0 || chain.unknown_tenant {
             return;
         }
-        let mut locked = self.table.lock(chain.keys());
+        let keys = chain.keys();
+        let mut locked = self.table.lock(&keys);
         for (i, level) in chain.levels().enumerate() {
             let limit = &level.rule.limit;
             if locked.get(i, limit).is_some() {
@@ -271,7 +297,8 @@ impl Limiter {
         if units == 0 || chain.unknown_tenant {
             return;
         }
-        let mut locked = self.table.lock(chain.keys());
+        let keys = chain.keys();
+        let mut locked = self.table.lock(&keys);
         for (i, level) in chain.levels().enumerate() {
             let limit = &level.rule.limit;
             let slot = locked.slot_mut(i, limit, now);

@@ -7,8 +7,8 @@
 use std::fmt;
 
 use crate::algorithm::{
-    Algorithm, FixedWindow, FixedWindowState, SlidingCounter, SlidingCounterState, SlidingLog,
-    SlidingLogState, TokenBucket, TokenBucketState,
+    Algorithm, Check, FixedWindow, FixedWindowState, SlidingCounter, SlidingCounterState,
+    SlidingLog, SlidingLogState, TokenBucket, TokenBucketState,
 };
 use crate::clock::Nanos;
 use crate::rate::DurationText;
@@ -250,6 +250,11 @@ impl Algorithm for Limit {
 
     fn charge_at(&self, state: &mut LimitState, now: Nanos, stamp: Nanos, cost: u64) {
         with_state_mut!(self, state, |a, s| a.charge_at(s, now, stamp, cost));
+    }
+
+    /// One dispatch and the algorithm's own one-pass check and charge.
+    fn try_acquire(&self, state: &mut LimitState, now: Nanos, cost: u64) -> Check {
+        with_state_mut!(self, state, |a, s| a.try_acquire(s, now, cost))
     }
 }
 

@@ -144,8 +144,91 @@ pub(crate) fn div_ceil_u128(a: u128, b: u128) -> u128 {
     }
 }
 
+/// Division by a divisor fixed when a limit is built, for dividends up to a bound
+/// known then: a multiply and a shift instead of a divide instruction (several times
+/// slower), exact over that range; larger dividends take the plain division.
+///
+/// With `m = floor(2^k / d) + 1`, `m * d = 2^k + e` for some `0 < e <= d`, so
+/// `n * m / 2^k = n / d + n * e / (d * 2^k)`; the floor is `floor(n / d)` whenever
+/// `n * e < 2^k`, which `n * d < 2^k` guarantees. `k` is the least with
+/// `max * d < 2^k`, so `m <= 2 * max + 1` fits 64 bits for every `max < 2^63`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub(crate) struct Divisor {
+    d: u64,
+    max: u64,
+    m: u64,
+    k: u32,
+}
+
+impl Divisor {
+    /// Divides by `d` (> 0) dividends up to `max`, exactly.
+    pub(crate) fn new(d: u64, max: u128) -> Self {
+        let d = d.max(1);
+        match u64::try_from(max) {
+            Ok(max) if max < 1 << 63 => {
+                let product = u128::from(max) * u128::from(d);
+                let k = 128 - product.leading_zeros();
+                let m = u64::try_from((1u128 << k) / u128::from(d) + 1).unwrap_or(0);
+                Self { d, max, m, k }
+            }
+            _ => Self { d, max: 0, m: 0, k: 0 },
+        }
+    }
+
+    /// `floor(n / d)`.
+    #[inline]
+    pub(crate) fn div(&self, n: u128) -> u128 {
+        match u64::try_from(n) {
+            Ok(n) if n <= self.max && self.m > 0 => (u128::from(n) * u128::from(self.m)) >> self.k,
+            _ => div_u128(n, u128::from(self.d)),
+        }
+    }
+
+    /// `ceil(n / d)`.
+    #[inline]
+    pub(crate) fn div_ceil(&self, n: u128) -> u128 {
+        match n.checked_add(u128::from(self.d) - 1) {
+            Some(up) => self.div(up),
+            None => div_ceil_u128(n, u128::from(self.d)),
+        }
+    }
+}
+
 /// Narrows to `u64`, saturating (every caller's true value fits; this only guards
 /// against arithmetic on states in debt far beyond any real use).
 pub(crate) fn sat_u64(v: u128) -> u64 {
     u64::try_from(v).unwrap_or(u64::MAX)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_divisor_divides_exactly_over_its_range_and_beyond() {
+        let mut seed = 0x9e37_79b9_7f4a_7c15u64;
+        let mut next = move || {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            seed
+        };
+        let divisors = [1, 2, 3, 7, 10, 1_000, 999_999_937, 1_000_000_000, u64::MAX / 3, u64::MAX];
+        for d in divisors {
+            for max in [0u128, 1, 1_000, 1 << 40, (1 << 63) - 1, 1 << 63, u128::MAX] {
+                let div = Divisor::new(d, max);
+                let top = max.min(u128::from(u64::MAX));
+                let check = |n: u128| {
+                    assert_eq!(div.div(n), n / u128::from(d), "{n} / {d} (max {max})");
+                    assert_eq!(div.div_ceil(n), n.div_ceil(u128::from(d)), "ceil {n} / {d}");
+                };
+                for n in [0, 1, top, top.saturating_sub(1), top / 2, u128::from(d), u128::MAX] {
+                    check(n);
+                }
+                for _ in 0..2_000 {
+                    check(u128::from(next()) % (top + 1));
+                }
+            }
+        }
+    }
 }

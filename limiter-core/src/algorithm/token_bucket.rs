@@ -6,7 +6,7 @@
 
 use std::num::NonZeroU64;
 
-use super::{Algorithm, Check, div_ceil_u128, div_u128, max_charged, sat_u64};
+use super::{Algorithm, Check, Divisor, div_ceil_u128, max_charged, sat_u64};
 use crate::clock::Nanos;
 use crate::rate::Rate;
 
@@ -15,6 +15,10 @@ use crate::rate::Rate;
 pub struct TokenBucket {
     rate: Rate,
     burst: NonZeroU64,
+    /// Scaled units to tokens (by `period`), over a full bucket.
+    per_token: Divisor,
+    /// Scaled units to nanoseconds (by `amount`), over the deepest debt.
+    per_nano: Divisor,
 }
 
 /// A token bucket's per-key state: 16 bytes.
@@ -40,7 +44,15 @@ impl TokenBucketState {
 impl TokenBucket {
     /// A bucket refilling at `rate` and holding at most `burst` tokens.
     pub fn new(rate: Rate, burst: NonZeroU64) -> Self {
-        Self { rate, burst }
+        let (amount, period) = (rate.amount().get(), rate.period().get());
+        let full = u128::from(burst.get()) * u128::from(period);
+        let deepest = u128::from(max_charged(burst.get())) * u128::from(period);
+        Self {
+            rate,
+            burst,
+            per_token: Divisor::new(period, full),
+            per_nano: Divisor::new(amount, deepest),
+        }
     }
 
     /// The refill rate.
@@ -53,15 +65,19 @@ impl TokenBucket {
         self.burst
     }
 
+    #[inline]
     fn amount(&self) -> u128 {
         self.rate.amount().get().into()
     }
+    #[inline]
     fn period(&self) -> u128 {
         self.rate.period().get().into()
     }
+    #[inline]
     fn scaled(&self, now: Nanos) -> u128 {
         u128::from(now) * self.amount()
     }
+    #[inline]
     fn capacity_scaled(&self) -> u128 {
         u128::from(self.burst.get()) * self.period()
     }
@@ -70,6 +86,7 @@ impl TokenBucket {
         u128::from(max_charged(self.burst.get())) * self.period()
     }
     /// Scaled time the bucket's current contents are "spent" ahead of now.
+    #[inline]
     fn used(&self, state: &TokenBucketState, now: Nanos) -> u128 {
         state.tat().saturating_sub(self.scaled(now))
     }
@@ -82,11 +99,9 @@ impl Algorithm for TokenBucket {
         self.burst.get()
     }
 
+    #[inline]
     fn remaining(&self, state: &Self::State, now: Nanos) -> u64 {
-        sat_u64(div_u128(
-            self.capacity_scaled().saturating_sub(self.used(state, now)),
-            self.period(),
-        ))
+        sat_u64(self.per_token.div(self.capacity_scaled().saturating_sub(self.used(state, now))))
     }
 
     fn retry_after(&self, state: &Self::State, now: Nanos, cost: u64) -> Nanos {
@@ -98,10 +113,12 @@ impl Algorithm for TokenBucket {
         }
     }
 
+    #[inline]
     fn reset_after(&self, state: &Self::State, now: Nanos) -> Nanos {
-        sat_u64(div_ceil_u128(self.used(state, now), self.amount()))
+        sat_u64(self.per_nano.div_ceil(self.used(state, now)))
     }
 
+    #[inline]
     fn charge(&self, state: &mut Self::State, now: Nanos, cost: u64) {
         let base = state.tat().max(self.scaled(now));
         let deepest = self.scaled(now) + self.max_used();
@@ -123,19 +140,21 @@ impl Algorithm for TokenBucket {
     /// the bucket spent ahead of now, plus the cost, is within its capacity; what is
     /// left is then exactly the default's (`cost x period` is a whole number of
     /// tokens, so it comes off the floor exactly).
+    #[inline]
     fn check(&self, state: &Self::State, now: Nanos, cost: u64) -> Check {
         if cost == 0 {
             return Check::Admit { remaining: self.remaining(state, now) };
         }
         let need = self.used(state, now).saturating_add(u128::from(cost) * self.period());
         match self.capacity_scaled().checked_sub(need) {
-            Some(room) => Check::Admit { remaining: sat_u64(div_u128(room, self.period())) },
+            Some(room) => Check::Admit { remaining: sat_u64(self.per_token.div(room)) },
             None => {
                 Check::Deny { retry_after: self.retry_after(state, now, cost.min(self.capacity())) }
             }
         }
     }
 
+    #[inline]
     fn try_acquire(&self, state: &mut Self::State, now: Nanos, cost: u64) -> Check {
         if cost == 0 {
             return Check::Admit { remaining: self.remaining(state, now) };
@@ -148,7 +167,7 @@ impl Algorithm for TokenBucket {
             Some(room) => {
                 // Within capacity, so within the debt cap of `charge`.
                 state.set_tat(tat.max(now_s) + u128::from(cost) * self.period());
-                Check::Admit { remaining: sat_u64(div_u128(room, self.period())) }
+                Check::Admit { remaining: sat_u64(self.per_token.div(room)) }
             }
             None => {
                 Check::Deny { retry_after: self.retry_after(state, now, cost.min(self.capacity())) }

@@ -201,13 +201,15 @@ pub struct Level<'a> {
 }
 
 /// A request resolved against a policy: the limits it is checked against, outermost
-/// first, and how to treat it.
+/// first, and how to treat it. Small enough to copy: the names are held once and each
+/// level's counter key is made from them when asked for.
 #[derive(Debug, Clone, Copy)]
 pub struct Chain<'a> {
-    /// The counters, outermost first (kept apart so the table can lock them as is).
-    keys: [LimitKeyRef<'a>; MAX_LEVELS],
+    tenant: &'a str,
+    route_name: &'a str,
+    key: &'a str,
     rules: [Option<(Scope, &'a LimitRule)>; MAX_LEVELS],
-    len: usize,
+    len: u8,
     /// Units to charge (zero only for a dry run).
     pub cost: u64,
     /// Check without charging.
@@ -220,13 +222,33 @@ pub struct Chain<'a> {
     pub route: &'a RouteSpec,
 }
 
+/// The counter keys of a chain's levels, outermost first (what the state table locks).
+#[derive(Debug, Clone, Copy)]
+pub struct ChainKeys<'a> {
+    keys: [LimitKeyRef<'a>; MAX_LEVELS],
+    len: usize,
+}
+
+impl<'a> std::ops::Deref for ChainKeys<'a> {
+    type Target = [LimitKeyRef<'a>];
+
+    fn deref(&self) -> &Self::Target {
+        &self.keys[..self.len]
+    }
+}
+
 impl<'a> Chain<'a> {
     /// The levels, outermost first.
-    pub fn levels(&self) -> impl ExactSizeIterator<Item = Level<'a>> + '_ {
-        self.rules[..self.len].iter().zip(&self.keys).map(|(r, &key)| {
-            let (scope, rule) = r.expect("levels below len are set");
-            Level { scope, rule, key }
+    pub fn levels(&self) -> impl Iterator<Item = Level<'a>> + Clone + '_ {
+        self.rules[..usize::from(self.len)].iter().flatten().map(|&(scope, rule)| Level {
+            scope,
+            rule,
+            key: self.key_of(scope),
         })
+    }
+
+    fn key_of(&self, scope: Scope) -> LimitKeyRef<'a> {
+        LimitKeyRef::new(scope, self.tenant, self.route_name, self.key)
     }
 
     /// How long units granted at `now` may be spent, at most `hold`: cut by the end of
@@ -239,24 +261,37 @@ impl<'a> Chain<'a> {
     /// chain one node decides when other levels are decided elsewhere.
     #[must_use]
     pub fn retain_levels(&self, keep: impl Fn(&Level<'a>) -> bool) -> Self {
-        let mut out = Self { keys: self.keys, rules: [None; MAX_LEVELS], len: 0, ..*self };
+        let mut out = Self { rules: [None; MAX_LEVELS], len: 0, ..*self };
         for level in self.levels() {
             if keep(&level) {
-                out.push(level.scope, Some(level.rule), level.key);
+                out.push(level.scope, Some(level.rule));
             }
         }
         out
     }
 
-    /// The counters of the levels, outermost first.
-    pub fn keys(&self) -> &[LimitKeyRef<'a>] {
-        &self.keys[..self.len]
+    /// Number of levels.
+    pub fn len(&self) -> usize {
+        usize::from(self.len)
     }
 
-    fn push(&mut self, scope: Scope, rule: Option<&'a LimitRule>, key: LimitKeyRef<'a>) {
+    /// True when no level applies.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The counters of the levels, outermost first.
+    pub fn keys(&self) -> ChainKeys<'a> {
+        let mut keys = ChainKeys { keys: [LimitKeyRef::GLOBAL; MAX_LEVELS], len: self.len() };
+        for (k, l) in keys.keys.iter_mut().zip(self.levels()) {
+            *k = l.key;
+        }
+        keys
+    }
+
+    fn push(&mut self, scope: Scope, rule: Option<&'a LimitRule>) {
         if let Some(rule) = rule {
-            self.rules[self.len] = Some((scope, rule));
-            self.keys[self.len] = key;
+            self.rules[usize::from(self.len)] = Some((scope, rule));
             self.len += 1;
         }
     }
@@ -270,7 +305,12 @@ fn check_name(field: &'static str, name: &str, max: usize) -> Result<(), Request
     if name.len() > max {
         return Err(RequestError::NameTooLong { field, len: name.len(), max });
     }
-    if name.chars().any(char::is_control) {
+    // Control characters are C0, DEL and C1 (U+0080..=U+009F, not ASCII). One
+    // comparison a byte, with no early exit so it vectorizes, flags C0, DEL and every
+    // byte of a non-ASCII character (`b + 1`, as signed, is at most 0x20 exactly for
+    // those); only a flagged name is read again character by character.
+    let flagged = name.bytes().fold(false, |f, b| f | (b.wrapping_add(1).cast_signed() <= 0x20));
+    if flagged && name.chars().any(char::is_control) {
         return Err(RequestError::ControlCharacter { field });
     }
     Ok(())
@@ -319,7 +359,9 @@ impl Policy {
             None => tenant_route.and_then(|tr| tr.cost).unwrap_or(route.cost).get(),
         };
         let mut chain = Chain {
-            keys: [LimitKeyRef::GLOBAL; MAX_LEVELS],
+            tenant: req.tenant,
+            route_name: req.route,
+            key: req.key.unwrap_or(""),
             rules: [None; MAX_LEVELS],
             len: 0,
             cost,
@@ -328,26 +370,13 @@ impl Policy {
             unknown_tenant: tenant.is_none(),
             route,
         };
-        let (t, r) = (req.tenant, req.route);
-        chain.push(Scope::Global, self.global.as_ref(), LimitKeyRef::GLOBAL);
-        chain.push(Scope::Route, route.limit.as_ref(), LimitKeyRef::new(Scope::Route, t, r, ""));
+        chain.push(Scope::Global, self.global.as_ref());
+        chain.push(Scope::Route, route.limit.as_ref());
         if let Some(tenant) = tenant {
-            chain.push(
-                Scope::Tenant,
-                tenant.limit.as_ref(),
-                LimitKeyRef::new(Scope::Tenant, t, r, ""),
-            );
-            chain.push(
-                Scope::TenantRoute,
-                tenant_route.map(|tr| &tr.rule),
-                LimitKeyRef::new(Scope::TenantRoute, t, r, ""),
-            );
-            if let Some(key) = req.key {
-                chain.push(
-                    Scope::Key,
-                    tenant.per_key.as_ref(),
-                    LimitKeyRef::new(Scope::Key, t, r, key),
-                );
+            chain.push(Scope::Tenant, tenant.limit.as_ref());
+            chain.push(Scope::TenantRoute, tenant_route.map(|tr| &tr.rule));
+            if req.key.is_some() {
+                chain.push(Scope::Key, tenant.per_key.as_ref());
             }
         }
         if let Some(l) = chain.levels().find(|l| cost > l.rule.limit.capacity()) {
@@ -358,5 +387,24 @@ impl Policy {
             });
         }
         Ok(chain)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn control_characters_are_refused_and_every_other_character_is_not() {
+        let refused = |s: &str| check_name("key", s, MAX_NAME_LEN).is_err();
+        for c in (0u32..0x20).chain([0x7f]).chain(0x80..0xa0) {
+            let c = char::from_u32(c).unwrap();
+            assert!(refused(&format!("a{c}b")), "{:#x}", c as u32);
+        }
+        for ok in ["acme", "/a b~", "\u{a0}", "é", "日本", "🦀", "x\u{10ffff}", "\u{ff}"] {
+            assert!(!refused(ok), "{ok:?}");
+        }
+        assert!(refused(""));
+        assert!(refused(&"x".repeat(MAX_NAME_LEN + 1)));
     }
 }

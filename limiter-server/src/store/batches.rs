@@ -72,7 +72,7 @@ pub(crate) struct Batches {
 impl Batch {
     /// Whether this batch is `chain`'s.
     fn is_for(&self, chain: &Chain<'_>) -> bool {
-        self.levels.len() == chain.keys().len()
+        self.levels.len() == chain.len()
             && chain
                 .levels()
                 .zip(&self.levels)

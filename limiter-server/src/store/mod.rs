@@ -127,7 +127,7 @@ impl Store {
     /// `RESOURCE_EXHAUSTED`, naming the tenant and the setting.
     pub fn admits(&self, chain: &Chain<'_>) -> Result<(), ServerError> {
         let Self::Memory(l) = self else { return Ok(()) };
-        l.table().admits(chain.keys()).map_err(|e| {
+        l.table().admits(&chain.keys()).map_err(|e| {
             metrics::counter!(crate::metrics::LIMIT_REFUSALS, "limit" => "keys_per_tenant")
                 .increment(1);
             tracing::debug!(tenant = %e.tenant, cap = e.cap, "new key refused");

@@ -682,7 +682,7 @@ impl RedisStore {
     ///
     /// Redis unreachable.
     pub async fn remaining(&self, chain: &Chain<'_>, now: Nanos) -> Result<u64, ServerError> {
-        if chain.keys().is_empty() {
+        if chain.is_empty() {
             return Ok(u64::MAX);
         }
         let mut least = u64::MAX;

@@ -16,10 +16,20 @@
 --                 half of what is left (at least `need`), so a batch held by one
 --                 node strands at most half of the rest; ARGV[6..8] a previous
 --                 grant's unspent units, grant time and hold, returned first
+--   lease         ARGV[3] the holder's cap (what it asked for within the route's
+--                 max_batch and its demand over the hold), ARGV[4] hold asked for
+--                 (us), ARGV[5] the waiting request's cost (0: none), ARGV[6..8] the
+--                 previous lease's unspent units, grant time and hold, returned
+--                 first, ARGV[9] active holders (0: a node's slice, never direct):
+--                 one renewal in one call, sized by the owner's grant rule
+--                 (limiter-core's `lease::grant_size`: the cap within half of what
+--                 is left, below a fifth of the capacity half of it split among the
+--                 active holders, at least the cost); nothing when less than one
+--                 cost per active holder is left, or when the cost does not fit
 --   remaining     nothing
 -- ARGV[2]: now in microseconds, or -1 for Redis TIME (the default; tests pass fixed
 --   times to replay golden cases).
--- ARGV[9..]: four per level: kind (tb, fw, sl, sc) and three parameters (see the
+-- ARGV[10..]: four per level: kind (tb, fw, sl, sc) and three parameters (see the
 --   algorithm's file).
 -- Returns an array of integers (times in microseconds):
 --   decide     {1, tightest level (1-based, 0: none), remaining, reset after, now}
@@ -28,6 +38,9 @@
 --              grant: units left at the tightest level, that level, its reset after;
 --              then, when `need` did not fit: the outermost level refusing it and
 --              the longest wait (as decide answers), else 0, 0}
+--   lease      {1, units, granted at, hold, binding level (0: none)} for a grant;
+--              {2, 0, now, hold, 0} in direct mode (too little for the active
+--              holders); {0, 0, now, hold, 0} when the cost did not fit
 --   remaining  {units left at the tightest level}
 --   others     {0}
 -- Time: redis.call('TIME') (Redis 7 replicates a script's effects, not the script, so
@@ -45,7 +58,7 @@ end
 
 local levels = {}
 local k = 1
-local i = 9
+local i = 10
 while ARGV[i] do
   local algo = algorithms[ARGV[i]]
   if not algo then return redis.error_reply('unknown algorithm ' .. ARGV[i]) end
@@ -157,6 +170,35 @@ elseif op == 'grant' then
   if tight > 0 then reset = levels[tight].algo.reset_after(levels[tight], now) end
   save_all()
   return { units, now, hold, binding, left, tight, reset, failed, wait }
+elseif op == 'lease' then
+  refund_all(tonumber(ARGV[6]), tonumber(ARGV[7]), tonumber(ARGV[8]))
+  local cap, cost, active = a1, a3, tonumber(ARGV[9])
+  local hold = a2
+  for _, lv in ipairs(levels) do hold = lv.algo.hold(lv, now, hold) end
+  local left, tight = min_remaining()
+  local capacity = -1
+  for _, lv in ipairs(levels) do
+    local c = lv.algo.capacity(lv)
+    if capacity < 0 or c < capacity then capacity = c end
+  end
+  if active > 0 and left < math.max(cost, 1) * active then
+    save_all()
+    return { 2, 0, now, hold, 0 }
+  end
+  local share = idiv(left, 2)
+  if left < idiv(capacity, 5) then share = idiv(left, 2 * math.max(active, 1)) end
+  local units = math.min(math.max(cost, math.min(cap, share)), left)
+  if units == 0 or units < cost then
+    save_all()
+    return { 0, 0, now, hold, 0 }
+  end
+  for _, lv in ipairs(levels) do
+    lv.algo.charge(lv, now, lv.algo.stamp(lv, now, hold), units)
+  end
+  local binding = 0
+  if units < cap then binding = tight end
+  save_all()
+  return { 1, units, now, hold, binding }
 elseif op == 'remaining' then
   local left = min_remaining()
   save_all()

@@ -178,6 +178,54 @@ impl<K: Clone> LeaseBook<K> {
     }
 }
 
+/// What a grant is sized from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Ask {
+    /// Units the holder asked for.
+    pub want: u64,
+    /// The request waiting for the grant (it must fit; 0: none).
+    pub cost: u64,
+    /// The holder's demand, units per second.
+    pub demand_per_sec: u64,
+    /// How long the grant may be spent.
+    pub hold: Nanos,
+    /// The route's `max_batch` (no cap for a node's slice).
+    pub most: u64,
+}
+
+impl Ask {
+    /// The part of the grant rule that does not depend on what is left: what the
+    /// holder asked for (at least 1, at most `most`), no more than it can spend in
+    /// the hold at its demand.
+    pub fn cap(&self) -> u64 {
+        let by_time = u128::from(self.demand_per_sec) * u128::from(self.hold)
+            / u128::from(crate::clock::NANOS_PER_SEC)
+            + 1;
+        self.want.clamp(1, self.most.max(1)).min(u64::try_from(by_time).unwrap_or(u64::MAX))
+    }
+}
+
+/// The share of what is left one grant may take: half of it, and near the limit
+/// (less than a fifth of the capacity left) half of it split among the active
+/// holders, so no more than half the remaining budget can be stranded. The Redis
+/// store's `lease` script (`lua/chain.lua`) applies the same rule.
+pub fn share(remaining: u64, capacity: u64, active: u64) -> u64 {
+    if remaining < capacity / 5 { remaining / (2 * active.max(1)) } else { remaining / 2 }
+}
+
+/// Whether so little is left that the owner decides each waiting request itself
+/// (direct mode) instead of granting: less than one request's cost for each active
+/// holder. `active` 0 (a node's slice) never goes direct.
+pub fn goes_direct(remaining: u64, cost: u64, active: u64) -> bool {
+    active > 0 && remaining < cost.max(1).saturating_mul(active)
+}
+
+/// The grant rule: [`Ask::cap`] within the [`share`] of what is left, and never less
+/// than the waiting request's cost.
+pub fn grant_size(ask: &Ask, remaining: u64, capacity: u64, active: u64) -> u64 {
+    ask.cap().min(share(remaining, capacity, active)).max(ask.cost)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -222,5 +270,57 @@ mod tests {
         assert_eq!(b.expire(299).len(), 0);
         assert_eq!(b.expire(300).len(), 1);
         assert_eq!(b.totals().written_off, 8);
+    }
+}
+
+#[cfg(test)]
+mod grant_rule {
+    use super::*;
+    use crate::clock::NANOS_PER_SEC;
+
+    const SEC: Nanos = NANOS_PER_SEC;
+
+    fn ask() -> Ask {
+        Ask { want: 100, cost: 1, demand_per_sec: 1_000, hold: SEC, most: 500 }
+    }
+
+    /// Plenty left for one holder.
+    fn size(a: &Ask) -> u64 {
+        grant_size(a, 10_000, 10_000, 1)
+    }
+
+    #[test]
+    fn a_grant_is_what_was_asked_within_the_batch_cap() {
+        assert_eq!(size(&ask()), 100);
+        assert_eq!(size(&Ask { want: 10_000, ..ask() }), 500, "max_batch");
+        assert_eq!(size(&Ask { want: 0, ..ask() }), 1, "at least one unit");
+    }
+
+    #[test]
+    fn a_grant_is_no_more_than_the_holder_can_spend_in_its_hold() {
+        // 10 units a second for 2 s: 21 (the +1 keeps a slow key from getting 0).
+        assert_eq!(size(&Ask { demand_per_sec: 10, hold: 2 * SEC, ..ask() }), 21);
+        assert_eq!(size(&Ask { demand_per_sec: 0, ..ask() }), 1);
+    }
+
+    #[test]
+    fn near_the_limit_each_active_holder_gets_a_small_share() {
+        // Half of what is left while plenty is left.
+        let busy = Ask { want: 10_000, most: u64::MAX, demand_per_sec: 1_000_000, ..ask() };
+        assert_eq!(grant_size(&busy, 4_000, 10_000, 1), 2_000);
+        // Below a fifth of the capacity: a share per active holder of half of it.
+        assert_eq!(grant_size(&busy, 1_000, 10_000, 10), 50);
+        // Never below the waiting request's cost, even when that is all there is.
+        assert_eq!(grant_size(&Ask { cost: 3, ..ask() }, 3, 10_000, 10), 3);
+        assert_eq!(grant_size(&ask(), 100, 10_000, 0), 50, "active 0 reads as 1");
+    }
+
+    #[test]
+    fn direct_mode_below_one_request_per_active_holder() {
+        assert!(goes_direct(9, 1, 10));
+        assert!(!goes_direct(10, 1, 10));
+        assert!(goes_direct(5, 3, 2), "cost 3 for each of 2 holders");
+        assert!(goes_direct(0, 0, 1), "a renewal with nothing waiting counts one unit");
+        assert!(!goes_direct(0, 5, 0), "a node's slice never goes direct");
     }
 }

@@ -129,3 +129,60 @@ async fn a_token_bucket_never_overshoots_across_two_servers() {
     a.stop().await;
     b.stop().await;
 }
+
+/// Left at `tenant`'s limit, read with a dry run.
+async fn left(c: &mut RateLimiterClient<Channel>, tenant: &str) -> u64 {
+    let dry = pb::ShouldAllowRequest { dry_run: true, ..ask(tenant, "/any") };
+    c.should_allow(dry).await.unwrap().into_inner().remaining
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lease_renewal_is_one_script_call_that_returns_and_takes() {
+    let redis = RedisServer::start();
+    let url = redis.url();
+    let env = [("LIMITER__STORE__KIND", "redis"), ("LIMITER__STORE__REDIS__URL", url.as_str())];
+    let server = TestServer::start_with(POLICY, &env).await;
+    let c = server.native().await;
+    let mut dry = c.clone();
+    let item = |lease_id, unspent, cost| pb::LeaseItem {
+        tenant: "fw".into(),
+        route: "/any".into(),
+        lease_id,
+        unspent,
+        want: 50,
+        cost,
+        demand_per_sec: 1_000,
+        ..Default::default()
+    };
+    let lease = |items: Vec<pb::LeaseItem>| {
+        let mut c = c.clone();
+        async move {
+            let req = pb::LeaseRequest { agent_id: "agent-1".into(), items, epoch: 0 };
+            let mut grants = c.lease(req).await.unwrap().into_inner().grants;
+            assert_eq!(grants.len(), 1);
+            grants.remove(0)
+        }
+    };
+    // The first call of all loads the script (a NOSCRIPT, then EVAL): done here.
+    assert_eq!(left(&mut dry, "fw").await, 3_000);
+    let before = script_calls(redis.port);
+    let first = lease(vec![item(0, 0, 1)]).await;
+    assert_eq!(script_calls(redis.port) - before, 1, "a first grant is one call");
+    assert_eq!((first.mode(), first.units), (pb::LeaseMode::Leased, 50));
+    let mut id = first.lease_id;
+    // Each renewal hands back 10 of its 50 and takes 50 more, in one call.
+    for n in 1..=5u64 {
+        let before = script_calls(redis.port);
+        let g = lease(vec![item(id, 10, 0)]).await;
+        assert_eq!(script_calls(redis.port) - before, 1, "renewal {n} is one script call");
+        assert_eq!((g.mode(), g.units), (pb::LeaseMode::Leased, 50), "renewal {n}");
+        assert_ne!(g.lease_id, id);
+        id = g.lease_id;
+        // Outstanding: every grant (50 each) less what came back (10 each).
+        assert_eq!(left(&mut dry, "fw").await, 3_000 - 50 * (n + 1) + 10 * n, "renewal {n}");
+    }
+    // A last return with nothing asked for settles the lease: all 50 back.
+    lease(vec![pb::LeaseItem { want: 0, ..item(id, 50, 0) }]).await;
+    assert_eq!(left(&mut dry, "fw").await, 3_000 - 50 * 6 + 10 * 5 + 50);
+    server.stop().await;
+}

@@ -270,6 +270,11 @@ impl<'a> Chain<'a> {
         out
     }
 
+    /// The request's tenant.
+    pub fn tenant(&self) -> &'a str {
+        self.tenant
+    }
+
     /// Number of levels.
     pub fn len(&self) -> usize {
         usize::from(self.len)

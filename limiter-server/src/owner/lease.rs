@@ -22,16 +22,19 @@ use std::hash::{BuildHasher, BuildHasherDefault, DefaultHasher};
 
 use limiter_core::algorithm::Algorithm;
 use limiter_core::clock::{NANOS_PER_SEC, Nanos};
-use limiter_core::lease::{LeaseBook, LeaseRecord, Settled};
-use limiter_core::policy::{FailurePolicy, Request};
+use limiter_core::lease::{Ask, LeaseBook, LeaseRecord, Settled, goes_direct, grant_size};
+use limiter_core::policy::{Chain, FailurePolicy, Request};
 use limiter_proto::limiter::v1 as pb;
 use parking_lot::Mutex;
 
+use crate::cluster::Cluster;
 use crate::cluster::slices::Remote;
 use crate::convert;
 use crate::error::ServerError;
 use crate::metrics::{self as m, Api};
+use crate::owner::reload::ActivePolicy;
 use crate::owner::{Charge, Outcome, Owner, Reach, Report};
+use crate::store::{Leased, Renewal, Returned};
 
 /// A chain's identity in the book: tenant, route, key.
 type ChainKey = (Box<str>, Box<str>, Option<Box<str>>);
@@ -186,210 +189,237 @@ impl Owner {
             return Err((0, ServerError::invalid("agent_id", "must not be empty")));
         }
         let holder = holder(agent);
-        let leases = self.leases();
-        let now = self.clock().now();
-        let active = leases.active_agents(holder, now);
-        let active_policy = self.policies().current();
+        let active = self.leases().active_agents(holder, self.clock().now());
+        let policy = self.policies().current();
         let mut grants = Vec::with_capacity(items.len());
         for (i, item) in items.iter().enumerate() {
-            let req = Request {
-                tenant: &item.tenant,
-                route: &item.route,
-                key: (!item.key.is_empty()).then_some(item.key.as_str()),
-                cost: Some(item.cost.max(1)),
-                dry_run: false,
-            };
-            let full = active_policy
-                .policy
-                .resolve(&req, &self.limits().names)
-                .map_err(|e| (i, e.into()))?;
-            // A node leasing a slice of one root level, or an agent leasing a chain
-            // whose root levels other nodes own (paid from this node's slices).
-            let slice_of = convert::scope_from(item.level);
-            let (chain, slices) = match slice_of {
-                Some(level) => (full.retain_levels(|l| l.scope == level), Remote::default()),
-                None => self.split(&full),
-            };
-            let now = self.clock().now();
-            if item.lease_id != 0 {
-                let settled = leases.book.lock().settle(item.lease_id, holder, now, item.unspent);
-                if let Settled::Closed { record, refund } = settled {
-                    self.store()
-                        .refund_grant(&chain, now, record.granted_at, record.hold, refund)
-                        .await
-                        .map_err(|e| (i, e))?;
-                    if let Some(c) = self.shared() {
-                        c.slices().returned(item.lease_id, refund, now);
-                    }
-                }
-            }
-            let mut grant = pb::LeaseGrant {
-                mode: pb::LeaseMode::Leased.into(),
-                on_failure: Some(failure_policy(full.route.on_limiter_failure)),
-                policy_version: active_policy.version,
-                ..Default::default()
-            };
-            if item.want == 0 && item.cost == 0 {
-                grants.push(grant);
-                continue;
-            }
-            // A new key beyond its tenant's cap: nothing granted, the waiting request
-            // refused (the agent's other items go on).
-            if self.store().admits(&chain).is_err() {
-                let refused = limiter_core::Decision::Rejected {
-                    reason: limiter_core::Reason::KeyLimit,
-                    scope: limiter_core::Scope::Key,
-                    limit: None,
-                    retry_after: NANOS_PER_SEC,
-                };
-                grant.decision = Some(self.response(refused, now));
-                grants.push(grant);
-                continue;
-            }
-            // The counters must be here: not fenced after their owner's loss (nothing
-            // new is granted then), not moving away. Held until the grant is made.
-            let name = crate::cluster::lease_name(item);
-            let mut held = match self.shared() {
-                Some(c) => match c.hold(&name).await {
-                    Ok(guard) => guard,
-                    Err(_) => {
-                        grant.mode = pb::LeaseMode::Direct.into();
-                        if slice_of.is_some() {
-                            grant.decision = Some(self.refusal(&chain, now, 1_000_000));
-                        } else if item.cost > 0 {
-                            // The waiting request: its route's failure policy.
-                            grant.decision =
-                                self.fallback_decision(&req).await.map_err(|e| (i, e))?;
-                        }
-                        grants.push(grant);
-                        continue;
-                    }
-                },
-                None => None,
-            };
-            let remaining = self.store().remaining(&chain, now).await.map_err(|e| (i, e))?;
-            let need = item.cost.max(1);
-            let exact = chain.route.lease.exact && slice_of.is_none();
-            if exact || (slice_of.is_none() && remaining < need.saturating_mul(active)) {
-                grant.mode = pb::LeaseMode::Direct.into();
-                // Deciding takes the gate itself.
-                drop(held.take());
-                if item.cost > 0 {
-                    let outcome = self
-                        .decide(Api::Lease, std::slice::from_ref(&req), Charge::Each, Report::Now)
-                        .await
-                        .map_err(|(_, e)| (i, e))?;
-                    grant.decision = outcome.first().map(Outcome::response);
-                }
-                grants.push(grant);
-                continue;
-            }
-            // How long the grant can be spent: the route's TTL (a slice's own TTL),
-            // cut by window ends.
-            let ttl = match (slice_of, self.cluster()) {
-                (Some(_), Some(c)) => {
-                    u64::try_from(c.config().slice_ttl.as_nanos()).unwrap_or(u64::MAX)
-                }
-                _ => chain.route.lease.ttl,
-            };
-            let mut hold = chain.grant_hold(now, ttl);
-            let capacity =
-                chain.levels().map(|l| l.rule.limit.capacity()).min().unwrap_or(u64::MAX);
-            let most =
-                if slice_of.is_some() { u64::MAX } else { chain.route.lease.max_batch.get() };
-            let mut size = grant_size(&Ask {
-                want: item.want,
-                cost: item.cost,
-                demand_per_sec: item.demand_per_sec,
-                hold,
-                remaining,
-                capacity,
-                active,
-                most,
-            });
-            // Root levels owned elsewhere: the grant comes out of this node's slices
-            // and never outlives them.
-            let mut from_slices = 0;
-            let mut slices_until = Nanos::MAX;
-            if let (false, Some(c)) = (slices.is_empty(), self.shared()) {
-                match self.take_slices(c, &full, &slices, size, item.cost, &item.tenant).await {
-                    Ok((units, until)) => {
-                        size = units;
-                        from_slices = units;
-                        slices_until = until;
-                        hold = hold.min(until.saturating_sub(now));
-                    }
-                    Err(ServerError::Exhausted(_)) => size = 0,
-                    Err(e) => return Err((i, e)),
-                }
-            }
-            let g = if size == 0 {
-                limiter_core::Grant { units: 0, granted_at: now, hold, binding: None }
-            } else {
-                self.store().grant(&chain, now, size, hold).await.map_err(|e| (i, e))?
-            };
-            if let (false, Some(c)) = (slices.is_empty(), self.shared()) {
-                c.slices().give_back(&slices.keys, from_slices - g.units.min(from_slices), now);
-            }
-            if g.units < item.cost || g.units == 0 {
-                // Not enough to hold: give back any partial grant and decide the
-                // waiting request itself (charged if it fits), as in direct mode.
-                self.store()
-                    .refund_grant(&chain, now, g.granted_at, g.hold, g.units)
-                    .await
-                    .map_err(|e| (i, e))?;
-                if let (false, Some(c)) = (slices.is_empty(), self.shared()) {
-                    c.slices().give_back(&slices.keys, g.units, now);
-                }
-                if slice_of.is_some() {
-                    grant.decision = Some(self.refusal(&chain, now, 0));
-                    grants.push(grant);
-                    continue;
-                }
-                drop(held.take());
-                let probe = Request { dry_run: item.cost == 0, ..req };
-                let outcome = self
-                    .decide(Api::Lease, &[probe], Charge::Each, Report::Now)
-                    .await
-                    .map_err(|(_, e)| (i, e))?;
-                grant.decision = outcome.first().map(Outcome::response);
-                grants.push(grant);
-                continue;
-            }
-            // Filed under its ring name (a slice: its root key's), so that a move
-            // hands it to the next owner of what it was granted from.
-            let key = (name.into_boxed_str(), item.route.as_str().into(), req.key.map(Into::into));
-            let id = leases.book.lock().open(LeaseRecord {
-                holder,
-                key,
-                units: g.units,
-                granted_at: g.granted_at,
-                hold: g.hold,
-            });
-            if let (false, Some(c)) = (slices.is_empty(), self.shared()) {
-                c.slices().funded(id, &slices.keys, slices_until);
-            }
-            grant.lease_id = id;
-            grant.units = g.units;
-            grant.hold = Some(convert::duration(g.hold));
-            grants.push(grant);
-            drop(held);
+            grants.push(self.lease_item(holder, active, &policy, item).await.map_err(|e| (i, e))?);
         }
         Ok(grants)
     }
 
+    /// One item of a lease call.
+    async fn lease_item(
+        &self,
+        holder: u64,
+        active: u64,
+        policy: &ActivePolicy,
+        item: &pb::LeaseItem,
+    ) -> Result<pb::LeaseGrant, ServerError> {
+        let req = Request {
+            tenant: &item.tenant,
+            route: &item.route,
+            key: (!item.key.is_empty()).then_some(item.key.as_str()),
+            cost: Some(item.cost.max(1)),
+            dry_run: false,
+        };
+        let full = policy.policy.resolve(&req, &self.limits().names)?;
+        // A node leasing a slice of one root level, or an agent leasing a chain
+        // whose root levels other nodes own (paid from this node's slices).
+        let slice_of = convert::scope_from(item.level);
+        let (chain, slices) = match slice_of {
+            Some(level) => (full.retain_levels(|l| l.scope == level), Remote::default()),
+            None => self.split(&full),
+        };
+        let now = self.clock().now();
+        let back = self.settle(holder, item, now);
+        let mut grant = pb::LeaseGrant {
+            mode: pb::LeaseMode::Leased.into(),
+            on_failure: Some(failure_policy(full.route.on_limiter_failure)),
+            policy_version: policy.version,
+            ..Default::default()
+        };
+        if item.want == 0 && item.cost == 0 {
+            self.give_back(&chain, now, back).await?;
+            return Ok(grant);
+        }
+        // A new key beyond its tenant's cap: nothing granted, the waiting request
+        // refused (the agent's other items go on).
+        if self.store().admits(&chain).is_err() {
+            self.give_back(&chain, now, back).await?;
+            let refused = limiter_core::Decision::Rejected {
+                reason: limiter_core::Reason::KeyLimit,
+                scope: limiter_core::Scope::Key,
+                limit: None,
+                retry_after: NANOS_PER_SEC,
+            };
+            grant.decision = Some(self.response(refused, now));
+            return Ok(grant);
+        }
+        // The counters must be here: not fenced after their owner's loss (nothing
+        // new is granted then), not moving away. Held until the grant is made.
+        let name = crate::cluster::lease_name(item);
+        let held = match self.shared() {
+            Some(c) => match c.hold(&name).await {
+                Ok(guard) => guard,
+                Err(_) => {
+                    self.give_back(&chain, now, back).await?;
+                    grant.mode = pb::LeaseMode::Direct.into();
+                    if slice_of.is_some() {
+                        grant.decision = Some(self.refusal(&chain, now, 1_000_000));
+                    } else if item.cost > 0 {
+                        // The waiting request: its route's failure policy.
+                        grant.decision = self.fallback_decision(&req).await?;
+                    }
+                    return Ok(grant);
+                }
+            },
+            None => None,
+        };
+        let exact = chain.route.lease.exact && slice_of.is_none();
+        // How long the grant can be spent: the route's TTL (a slice's own TTL), cut
+        // by window ends.
+        let ttl = match (slice_of, self.cluster()) {
+            (Some(_), Some(c)) => {
+                u64::try_from(c.config().slice_ttl.as_nanos()).unwrap_or(u64::MAX)
+            }
+            _ => chain.route.lease.ttl,
+        };
+        let ask = Ask {
+            want: item.want,
+            cost: item.cost,
+            demand_per_sec: item.demand_per_sec,
+            hold: chain.grant_hold(now, ttl),
+            most: if slice_of.is_some() { u64::MAX } else { chain.route.lease.max_batch.get() },
+        };
+        // A node's slice never goes direct: the root owner refuses instead.
+        let renewal = Renewal { back, ask, active: if slice_of.is_some() { 0 } else { active } };
+        let (leased, slices_until) = if exact {
+            self.give_back(&chain, now, back).await?;
+            (Leased::Direct, Nanos::MAX)
+        } else if let (false, Some(c)) = (slices.is_empty(), self.shared()) {
+            self.give_back(&chain, now, back).await?;
+            self.lease_from_slices(c, &full, &chain, &slices, &renewal, now).await?
+        } else {
+            (self.store().lease(&chain, now, &renewal).await?, Nanos::MAX)
+        };
+        let g = match leased {
+            Leased::Granted(g) => g,
+            Leased::Direct | Leased::Short if slice_of.is_some() => {
+                grant.decision = Some(self.refusal(&chain, now, 0));
+                return Ok(grant);
+            }
+            Leased::Direct => {
+                grant.mode = pb::LeaseMode::Direct.into();
+                // Deciding takes the gate itself.
+                drop(held);
+                if item.cost > 0 {
+                    let outcome = self
+                        .decide(Api::Lease, std::slice::from_ref(&req), Charge::Each, Report::Now)
+                        .await
+                        .map_err(|(_, e)| e)?;
+                    grant.decision = outcome.first().map(Outcome::response);
+                }
+                return Ok(grant);
+            }
+            Leased::Short => {
+                // Not enough to hold: the waiting request is decided here (charged if
+                // it fits), as in direct mode.
+                drop(held);
+                let probe = Request { dry_run: item.cost == 0, ..req };
+                let outcome = self
+                    .decide(Api::Lease, &[probe], Charge::Each, Report::Now)
+                    .await
+                    .map_err(|(_, e)| e)?;
+                grant.decision = outcome.first().map(Outcome::response);
+                return Ok(grant);
+            }
+        };
+        // Filed under its ring name (a slice: its root key's), so that a move hands
+        // it to the next owner of what it was granted from.
+        let key = (name.into_boxed_str(), item.route.as_str().into(), req.key.map(Into::into));
+        let id = self.leases().book.lock().open(LeaseRecord {
+            holder,
+            key,
+            units: g.units,
+            granted_at: g.granted_at,
+            hold: g.hold,
+        });
+        if let (false, Some(c)) = (slices.is_empty(), self.shared()) {
+            c.slices().funded(id, &slices.keys, slices_until);
+        }
+        grant.lease_id = id;
+        grant.units = g.units;
+        grant.hold = Some(convert::duration(g.hold));
+        drop(held);
+        Ok(grant)
+    }
+
+    /// Settles the item's previous lease in the book: what it left unspent, to give
+    /// back while the lease is open (nothing for a late or duplicate return).
+    fn settle(&self, holder: u64, item: &pb::LeaseItem, now: Nanos) -> Option<Returned> {
+        if item.lease_id == 0 {
+            return None;
+        }
+        let settled = self.leases().book.lock().settle(item.lease_id, holder, now, item.unspent);
+        let Settled::Closed { record, refund } = settled else { return None };
+        if let Some(c) = self.shared() {
+            c.slices().returned(item.lease_id, refund, now);
+        }
+        Some(Returned { units: refund, granted_at: record.granted_at, hold: record.hold })
+    }
+
+    /// Refunds a settled lease's unspent units on a path that grants nothing new.
+    async fn give_back(
+        &self,
+        chain: &Chain<'_>,
+        now: Nanos,
+        back: Option<Returned>,
+    ) -> Result<(), ServerError> {
+        match back {
+            Some(b) => self.store().refund_grant(chain, now, b.granted_at, b.hold, b.units).await,
+            None => Ok(()),
+        }
+    }
+
+    /// A grant for a chain whose root levels other nodes own: sized by the grant rule
+    /// from this node's levels, paid out of this node's slices of the root levels
+    /// (refilled from their owners as needed), and never outliving them. The grant
+    /// and the slices' end.
+    async fn lease_from_slices(
+        &self,
+        cluster: &Cluster,
+        full: &Chain<'_>,
+        chain: &Chain<'_>,
+        slices: &Remote,
+        renewal: &Renewal,
+        now: Nanos,
+    ) -> Result<(Leased, Nanos), ServerError> {
+        let ask = renewal.ask;
+        let remaining = self.store().remaining(chain, now).await?;
+        if goes_direct(remaining, ask.cost, renewal.active) {
+            return Ok((Leased::Direct, Nanos::MAX));
+        }
+        let capacity = chain.levels().map(|l| l.rule.limit.capacity()).min().unwrap_or(u64::MAX);
+        let size = grant_size(&ask, remaining, capacity, renewal.active);
+        let Some((from_slices, until)) =
+            self.take_slices(cluster, full, slices, size, ask.cost, full.tenant()).await?
+        else {
+            return Ok((Leased::Short, Nanos::MAX));
+        };
+        let hold = ask.hold.min(until.saturating_sub(now));
+        let g = self.store().grant(chain, now, from_slices, hold).await?;
+        cluster.slices().give_back(&slices.keys, from_slices - g.units.min(from_slices), now);
+        if g.units < ask.cost || g.units == 0 {
+            self.store().refund_grant(chain, now, g.granted_at, g.hold, g.units).await?;
+            cluster.slices().give_back(&slices.keys, g.units, now);
+            return Ok((Leased::Short, Nanos::MAX));
+        }
+        Ok((Leased::Granted(g), until))
+    }
+
     /// Takes up to `want` (at least `min`) units from the slices `remote`, refilling
-    /// them from their owners as needed: the units and the slices' end.
-    /// `Exhausted` when an owner refuses.
+    /// them from their owners as needed: the units and the slices' end, or `None`
+    /// when an owner refuses.
     async fn take_slices(
         &self,
-        cluster: &crate::cluster::Cluster,
-        chain: &limiter_core::policy::Chain<'_>,
+        cluster: &Cluster,
+        chain: &Chain<'_>,
         remote: &Remote,
         want: u64,
         min: u64,
         tenant: &str,
-    ) -> Result<(u64, Nanos), ServerError> {
+    ) -> Result<Option<(u64, Nanos)>, ServerError> {
         // A refill for an agent asks for the whole grant (never more than the root
         // level can hold): near the limit the owner refuses, and the refusal, kept
         // for a few milliseconds, answers this node's agents at once instead of
@@ -404,17 +434,19 @@ impl Owner {
         for _ in 0..3 {
             let now = self.clock().now();
             match cluster.slices().take_up_to(&remote.keys, want, min, now) {
-                Ok(got) => return Ok(got),
+                Ok(got) => return Ok(Some(got)),
                 Err(crate::cluster::slices::Take::Short(key)) => {
-                    let Some(owner) = remote.owner(&key) else {
-                        return Err(ServerError::Exhausted("slice".into()));
-                    };
-                    cluster.refill(&key, owner, tenant, need, want).await?;
+                    let Some(owner) = remote.owner(&key) else { return Ok(None) };
+                    match cluster.refill(&key, owner, tenant, need, want).await {
+                        Ok(()) => {}
+                        Err(ServerError::Exhausted(_)) => return Ok(None),
+                        Err(e) => return Err(e),
+                    }
                 }
-                Err(_) => return Err(ServerError::Exhausted("slice".into())),
+                Err(_) => return Ok(None),
             }
         }
-        Err(ServerError::Exhausted("slice".into()))
+        Ok(None)
     }
 
     /// A refusal by `chain`'s levels as they stand (a dry run), for grants that found
@@ -473,45 +505,6 @@ impl Owner {
     }
 }
 
-/// What a grant is sized from.
-#[derive(Debug, Clone, Copy)]
-struct Ask {
-    /// Units the holder asked for.
-    want: u64,
-    /// The request waiting for the grant (it must fit).
-    cost: u64,
-    /// The holder's demand, units per second.
-    demand_per_sec: u64,
-    /// How long the grant may be spent.
-    hold: Nanos,
-    /// Units left at the chain's tightest level.
-    remaining: u64,
-    /// The tightest level's capacity.
-    capacity: u64,
-    /// Holders with open leases on the chain (at least 1).
-    active: u64,
-    /// The route's `max_batch` (no cap for a node's slice).
-    most: u64,
-}
-
-/// The grant rule: what the holder asked for (at least 1, at most `most`), no more
-/// than it can spend in the hold at its demand, no more than half of what is left
-/// (near the limit, when less than a fifth of the capacity is left, a share of it for
-/// each active holder), and never less than the waiting request's cost.
-fn grant_size(a: &Ask) -> u64 {
-    let by_time = u128::from(a.demand_per_sec) * u128::from(a.hold) / u128::from(NANOS_PER_SEC) + 1;
-    let share = if a.remaining < a.capacity / 5 {
-        a.remaining / (2 * a.active.max(1))
-    } else {
-        a.remaining / 2
-    };
-    a.want
-        .clamp(1, a.most.max(1))
-        .min(u64::try_from(by_time).unwrap_or(u64::MAX))
-        .min(share)
-        .max(a.cost)
-}
-
 impl crate::cluster::LeaseBook for Leases {
     fn take_moving(&self, moving: &dyn Fn(&str) -> bool) -> Vec<pb::LeaseState> {
         Self::take_moving(self, moving)
@@ -519,56 +512,5 @@ impl crate::cluster::LeaseBook for Leases {
 
     fn adopt(&self, leases: &[pb::LeaseState]) -> u64 {
         Self::adopt(self, leases)
-    }
-}
-
-#[cfg(test)]
-mod grant_rule {
-    use super::*;
-
-    const SEC: Nanos = NANOS_PER_SEC;
-
-    fn ask() -> Ask {
-        Ask {
-            want: 100,
-            cost: 1,
-            demand_per_sec: 1_000,
-            hold: SEC,
-            remaining: 10_000,
-            capacity: 10_000,
-            active: 1,
-            most: 500,
-        }
-    }
-
-    #[test]
-    fn a_grant_is_what_was_asked_within_the_batch_cap() {
-        assert_eq!(grant_size(&ask()), 100);
-        assert_eq!(grant_size(&Ask { want: 10_000, ..ask() }), 500, "max_batch");
-        assert_eq!(grant_size(&Ask { want: 0, ..ask() }), 1, "at least one unit");
-    }
-
-    #[test]
-    fn a_grant_is_no_more_than_the_holder_can_spend_in_its_hold() {
-        // 10 units a second for 2 s: 21 (the +1 keeps a slow key from getting 0).
-        assert_eq!(grant_size(&Ask { demand_per_sec: 10, hold: 2 * SEC, ..ask() }), 21);
-        assert_eq!(grant_size(&Ask { demand_per_sec: 0, ..ask() }), 1);
-    }
-
-    #[test]
-    fn near_the_limit_each_active_holder_gets_a_small_share() {
-        // Half of what is left while plenty is left.
-        let busy = Ask { want: 10_000, most: u64::MAX, demand_per_sec: 1_000_000, ..ask() };
-        assert_eq!(grant_size(&Ask { remaining: 4_000, ..busy }), 2_000);
-        // Below a fifth of the capacity: a share per active holder of half of it.
-        let near = Ask { remaining: 1_000, active: 10, ..busy };
-        assert_eq!(grant_size(&near), 50);
-        // Never below the waiting request's cost, even when that is all there is.
-        assert_eq!(grant_size(&Ask { remaining: 3, active: 10, cost: 3, ..ask() }), 3);
-        assert_eq!(
-            grant_size(&Ask { active: 0, remaining: 100, ..ask() }),
-            50,
-            "active 0 reads as 1"
-        );
     }
 }

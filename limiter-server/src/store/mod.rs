@@ -8,7 +8,9 @@ pub mod redis;
 
 use std::sync::Arc;
 
+use limiter_core::algorithm::Algorithm;
 use limiter_core::clock::{Clock, Nanos};
+use limiter_core::lease::{Ask, goes_direct, grant_size};
 use limiter_core::policy::{Chain, LimitRule, Policy, Request};
 use limiter_core::table::{StateTable, TableStats};
 use limiter_core::{Grant, Limiter, Verdict};
@@ -80,6 +82,45 @@ pub enum Returning {
     Due,
     /// Every one (shutdown).
     All,
+}
+
+/// What a lease renewal hands back and asks for, carried out by the store in one step.
+#[derive(Debug, Clone, Copy)]
+pub struct Renewal {
+    /// What the previous lease left unspent, refunded first.
+    pub back: Option<Returned>,
+    /// What the new grant is sized from.
+    pub ask: Ask,
+    /// Holders with open leases on the chain (0: a node's slice, never direct).
+    pub active: u64,
+}
+
+/// Units of an earlier grant given back.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Returned {
+    /// Units not spent.
+    pub units: u64,
+    /// When the grant was made.
+    pub granted_at: Nanos,
+    /// How long it could be spent.
+    pub hold: Nanos,
+}
+
+/// What a renewal got.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Leased {
+    /// Units to hold: at least one, and at least the waiting request's cost.
+    Granted(Grant),
+    /// Less than one request's cost is left for each active holder (direct mode):
+    /// the owner decides each waiting request itself.
+    Direct,
+    /// The grant could not cover the waiting request: it is decided as a request.
+    Short,
+}
+
+/// The tightest capacity over a chain's levels.
+fn capacity(chain: &Chain<'_>) -> u64 {
+    chain.levels().map(|l| l.rule.limit.capacity()).min().unwrap_or(u64::MAX)
 }
 
 /// A store of counters.
@@ -241,6 +282,40 @@ impl Store {
             Self::Memory(l) => Ok(l.grant(chain, now, max, hold)),
             Self::Redis(r) => r.store.grant(chain, now, max, hold).await,
         }
+    }
+
+    /// One lease renewal: the previous lease's unspent units back, then a grant sized
+    /// by the grant rule ([`limiter_core::lease::grant_size`]) from what is left. One
+    /// script call on Redis.
+    ///
+    /// # Errors
+    ///
+    /// When the store cannot be reached.
+    pub async fn lease(
+        &self,
+        chain: &Chain<'_>,
+        now: Nanos,
+        renewal: &Renewal,
+    ) -> Result<Leased, ServerError> {
+        let l = match self {
+            Self::Redis(r) => return r.store.lease(chain, now, renewal).await,
+            Self::Memory(l) => l,
+        };
+        if let Some(b) = renewal.back {
+            l.refund_grant(chain, now, b.granted_at, b.hold, b.units);
+        }
+        let remaining = l.remaining(chain, now);
+        let ask = &renewal.ask;
+        if goes_direct(remaining, ask.cost, renewal.active) {
+            return Ok(Leased::Direct);
+        }
+        let size = grant_size(ask, remaining, capacity(chain), renewal.active);
+        let g = l.grant(chain, now, size, ask.hold);
+        if g.units == 0 || g.units < ask.cost {
+            l.refund_grant(chain, now, g.granted_at, g.hold, g.units);
+            return Ok(Leased::Short);
+        }
+        Ok(Leased::Granted(g))
     }
 
     /// Gives back `units` of a grant made at `granted_at` for `hold`.

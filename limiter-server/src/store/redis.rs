@@ -31,7 +31,9 @@ use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use redis::cluster_async::ClusterConnection;
 use tokio::sync::OnceCell;
 
-use super::Charged;
+use limiter_core::lease::{goes_direct, grant_size};
+
+use super::{Charged, Leased, Renewal};
 use crate::error::{ServerError, StoreError};
 use crate::metrics as m;
 
@@ -345,7 +347,7 @@ impl RedisStore {
         chain: &Chain<'_>,
         group: (usize, usize),
         now: Nanos,
-        args: [u64; 6],
+        args: [u64; 7],
     ) -> Result<Vec<i64>, ServerError> {
         let started = self.clock.now();
         if !self.breaker.allow(started) {
@@ -408,7 +410,7 @@ impl RedisStore {
         dry_run: bool,
     ) -> Result<Decided, ServerError> {
         let r = self
-            .call("decide", chain, group, now, [chain.cost, u64::from(dry_run), 0, 0, 0, 0])
+            .call("decide", chain, group, now, [chain.cost, u64::from(dry_run), 0, 0, 0, 0, 0])
             .await?;
         let get = |i: usize| r.get(i).copied().unwrap_or(0);
         let d = Decided {
@@ -508,7 +510,8 @@ impl RedisStore {
     /// a failure here under-admits, never over-admits).
     async fn give_back(&self, chain: &Chain<'_>, now: Nanos, charged: &[((usize, usize), Nanos)]) {
         for &(group, at) in charged {
-            let _ = self.call("refund", chain, group, now, [chain.cost, us(at), 0, 0, 0, 0]).await;
+            let _ =
+                self.call("refund", chain, group, now, [chain.cost, us(at), 0, 0, 0, 0, 0]).await;
         }
     }
 
@@ -527,7 +530,7 @@ impl RedisStore {
             return Ok(());
         }
         for group in self.groups(chain) {
-            self.call("charge", chain, group, now, [units, 0, 0, 0, 0, 0]).await?;
+            self.call("charge", chain, group, now, [units, 0, 0, 0, 0, 0, 0]).await?;
         }
         Ok(())
     }
@@ -549,7 +552,7 @@ impl RedisStore {
             return Ok(());
         }
         for group in self.groups(chain) {
-            self.call("refund", chain, group, now, [units, us(granted_at), us(hold), 0, 0, 0])
+            self.call("refund", chain, group, now, [units, us(granted_at), us(hold), 0, 0, 0, 0])
                 .await?;
         }
         Ok(())
@@ -583,7 +586,7 @@ impl RedisStore {
                     chain,
                     group,
                     now,
-                    [units, us(hold), need, back.0, us(back.1), us(back.2)],
+                    [units, us(hold), need, back.0, us(back.1), us(back.2), 0],
                 )
                 .await;
             let r = match r {
@@ -596,7 +599,7 @@ impl RedisStore {
                                 chain,
                                 *g,
                                 now,
-                                [got.units, us(got.granted_at), us(got.hold), 0, 0, 0],
+                                [got.units, us(got.granted_at), us(got.hold), 0, 0, 0, 0],
                             )
                             .await;
                     }
@@ -644,7 +647,7 @@ impl RedisStore {
                         chain,
                         *g,
                         now,
-                        [got.units - units, us(got.granted_at), us(got.hold), 0, 0, 0],
+                        [got.units - units, us(got.granted_at), us(got.hold), 0, 0, 0, 0],
                     )
                     .await;
             }
@@ -676,6 +679,74 @@ impl RedisStore {
         Ok(Grant { units: g.units, granted_at: g.granted_at, hold: g.hold, binding })
     }
 
+    /// One lease renewal in one script call on a single Redis (the `lease` op: the
+    /// old lease's unspent units back, then a grant sized by the grant rule); on a
+    /// Cluster whose chain spans several hash tags, the same steps call by call.
+    ///
+    /// # Errors
+    ///
+    /// Redis unreachable, or a reply that is not the script's.
+    pub async fn lease(
+        &self,
+        chain: &Chain<'_>,
+        now: Nanos,
+        renewal: &Renewal,
+    ) -> Result<Leased, ServerError> {
+        let back = renewal.back.unwrap_or_default();
+        let groups = self.groups(chain);
+        let &[group] = groups.as_slice() else {
+            self.refund_grant(chain, now, back.granted_at, back.hold, back.units).await?;
+            let remaining = self.remaining(chain, now).await?;
+            let capacity = super::capacity(chain);
+            if goes_direct(remaining, renewal.ask.cost, renewal.active) {
+                return Ok(Leased::Direct);
+            }
+            let size = grant_size(&renewal.ask, remaining, capacity, renewal.active);
+            let g = self.grant(chain, now, size, renewal.ask.hold).await?;
+            if g.units == 0 || g.units < renewal.ask.cost {
+                self.refund_grant(chain, now, g.granted_at, g.hold, g.units).await?;
+                return Ok(Leased::Short);
+            }
+            return Ok(Leased::Granted(g));
+        };
+        let ask = &renewal.ask;
+        let args = [
+            ask.cap(),
+            us(ask.hold),
+            ask.cost,
+            back.units,
+            us(back.granted_at),
+            us(back.hold),
+            renewal.active,
+        ];
+        let r = self.call("lease", chain, group, now, args).await?;
+        let &[granted, units, at, hold, binding] = r.as_slice() else {
+            tracing::debug!(reply = ?r, "malformed lease reply");
+            return Err(StoreError::Malformed("lease").into());
+        };
+        match granted {
+            1 => {}
+            2 => return Ok(Leased::Direct),
+            0 => return Ok(Leased::Short),
+            _ => {
+                tracing::debug!(reply = ?r, "malformed lease reply");
+                return Err(StoreError::Malformed("lease").into());
+            }
+        }
+        let units = u64::try_from(units).unwrap_or(0);
+        let binding = usize::try_from(binding).ok().and_then(|b| b.checked_sub(1));
+        if units == 0 || units < ask.cost || binding.is_some_and(|b| b >= chain.len()) {
+            tracing::debug!(reply = ?r, "malformed lease reply");
+            return Err(StoreError::Malformed("lease").into());
+        }
+        Ok(Leased::Granted(Grant {
+            units,
+            granted_at: ns(at),
+            hold: ns(hold),
+            binding: binding.and_then(|b| chain.levels().nth(b)).map(|l| l.scope),
+        }))
+    }
+
     /// Units left at the tightest level.
     ///
     /// # Errors
@@ -687,7 +758,7 @@ impl RedisStore {
         }
         let mut least = u64::MAX;
         for group in self.groups(chain) {
-            let r = self.call("remaining", chain, group, now, [0; 6]).await?;
+            let r = self.call("remaining", chain, group, now, [0; 7]).await?;
             least = least.min(u64::try_from(r.first().copied().unwrap_or(0)).unwrap_or(0));
         }
         Ok(least)

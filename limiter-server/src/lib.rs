@@ -328,7 +328,7 @@ impl Server {
                 loop {
                     tokio::select! {
                         () = cancel.cancelled() => return,
-                        _ = tick.tick() => cluster.renew_slices("-").await,
+                        _ = tick.tick() => cluster.renew_slices().await,
                     }
                 }
             });

@@ -12,6 +12,7 @@
 
 pub mod bench;
 pub mod chart;
+pub mod cpu;
 pub mod gateway;
 pub mod model;
 pub mod peers;

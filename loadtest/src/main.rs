@@ -3,6 +3,8 @@
 //! ```text
 //! loadtest run <scenario.yaml> [--out DIR]    report to DIR (default loadtest/reports)
 //! loadtest bench [--quick] [--out FILE]       the standard scenarios into BENCHMARKS.md
+//! loadtest cpu [--rate N] ...                  server CPU per decision against an
+//!                                              empty Envoy RLS server
 //! ```
 //!
 //! The same binary is the server nodes and gateway processes a run starts
@@ -15,11 +17,22 @@ use loadtest::scenario::Scenario;
 
 const USAGE: &str = "usage:
   loadtest run <scenario.yaml> [--out DIR]
-  loadtest bench [--quick] [--out FILE] [--charts DIR]";
+  loadtest bench [--quick] [--out FILE] [--charts DIR]
+  loadtest cpu [--rate N] [--tenants N] [--secs N] [--rounds N] [--in-flight N]
+               [--set LIMITER__KEY=VALUE]...";
 
 fn main() -> ExitCode {
     match std::env::var(loadtest::procs::ROLE).as_deref() {
         Ok("server") => return limiter_server::cli::main(),
+        Ok(loadtest::cpu::EMPTY_ROLE) => {
+            return match loadtest::cpu::empty_main() {
+                Ok(()) => ExitCode::SUCCESS,
+                Err(e) => {
+                    eprintln!("empty RLS server: {e:#}");
+                    ExitCode::FAILURE
+                }
+            };
+        }
         Ok("gateway") => {
             return match loadtest::gateway::main() {
                 Ok(()) => ExitCode::SUCCESS,
@@ -35,6 +48,7 @@ fn main() -> ExitCode {
     let result = match args.first().map(String::as_str) {
         Some("run") => run(&args[1..]),
         Some("bench") => bench(&args[1..]),
+        Some("cpu") => cpu(&args[1..]),
         Some("-h" | "--help") => {
             println!("{USAGE}");
             return ExitCode::SUCCESS;
@@ -102,4 +116,34 @@ fn bench(args: &[String]) -> anyhow::Result<()> {
         }
     }
     runtime()?.block_on(loadtest::bench::run(&opts))
+}
+
+fn cpu(args: &[String]) -> anyhow::Result<()> {
+    let mut o = loadtest::cpu::Options::default();
+    let mut it = args.iter();
+    while let Some(a) = it.next() {
+        let n = |v: Option<&String>| -> anyhow::Result<u64> {
+            value(v, a)?.parse().map_err(|_| anyhow::anyhow!("{a}: expected a number"))
+        };
+        match a.as_str() {
+            "--rate" => o.rate = n(it.next())?.max(1),
+            "--tenants" => o.tenants = usize::try_from(n(it.next())?)?.max(1),
+            "--secs" => o.secs = n(it.next())?.max(1),
+            "--rounds" => o.rounds = usize::try_from(n(it.next())?)?.max(1),
+            "--in-flight" => o.in_flight = usize::try_from(n(it.next())?)?.max(1),
+            "--set" => {
+                let kv = value(it.next(), a)?;
+                let (k, v) =
+                    kv.split_once('=').ok_or_else(|| anyhow::anyhow!("--set KEY=VALUE"))?;
+                o.server_env.push((k.to_owned(), v.to_owned()));
+            }
+            other => anyhow::bail!("unexpected argument `{other}`\n{USAGE}"),
+        }
+    }
+    let dir = std::env::temp_dir().join(format!("loadtest-cpu-{}", std::process::id()));
+    std::fs::create_dir_all(&dir)?;
+    let md = runtime()?.block_on(loadtest::cpu::run(&o, &dir));
+    let _ = std::fs::remove_dir_all(&dir);
+    println!("{}", md?);
+    Ok(())
 }

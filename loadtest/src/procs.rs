@@ -38,6 +38,20 @@ pub fn own_binary() -> anyhow::Result<PathBuf> {
     }
 }
 
+/// The binary started as server nodes: the one `LOADTEST_SERVER_BIN` names (a real
+/// `limiter-server`, to measure exactly what is deployed), else this binary in its
+/// server role (the same `limiter_server::cli::main`, linked in, so never stale).
+///
+/// # Errors
+///
+/// When the running executable is unknown.
+pub fn server_binary() -> anyhow::Result<PathBuf> {
+    match std::env::var_os("LOADTEST_SERVER_BIN") {
+        Some(p) => Ok(PathBuf::from(p)),
+        None => own_binary(),
+    }
+}
+
 /// A free loopback address (bound, then released).
 ///
 /// # Errors
@@ -131,7 +145,7 @@ impl Node {
             eprintln!("{} logs to {}", self.id, self.log.display());
         }
         let log = std::fs::OpenOptions::new().create(true).append(true).open(&self.log)?;
-        let child = Command::new(own_binary()?)
+        let child = Command::new(server_binary()?)
             .env(ROLE, "server")
             .env("RUST_LOG", if verbose { "info" } else { "warn" })
             .envs(self.env.iter().map(|(k, v)| (k, v)))
@@ -157,6 +171,11 @@ impl Node {
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
         bail!("{} ({}) did not become ready", self.id, self.grpc)
+    }
+
+    /// Its process id, while it runs.
+    pub fn pid(&self) -> Option<u32> {
+        self.child.as_ref().map(std::process::Child::id)
     }
 
     /// Its gRPC URL.

@@ -338,6 +338,56 @@ impl Policy {
         }
     }
 
+    /// The chain of one root level alone, the global ceiling or `route`'s limit across
+    /// tenants: what a node leasing a slice of it is charged against. No tenant is
+    /// involved (a root level is every tenant's), so the unknown-tenant rule does not
+    /// apply; any other scope has no root level and gives an empty chain.
+    ///
+    /// # Errors
+    ///
+    /// An empty or oversized route name (a route level), and a cost above the level's
+    /// capacity.
+    pub fn resolve_root<'a>(
+        &'a self,
+        scope: Scope,
+        route: &'a str,
+        cost: u64,
+        bounds: &NameBounds,
+    ) -> Result<Chain<'a>, RequestError> {
+        let rule = match scope {
+            Scope::Global => self.global.as_ref(),
+            Scope::Route => {
+                check_name("route", route, bounds.route)?;
+                self.route(route).limit.as_ref()
+            }
+            Scope::Tenant | Scope::TenantRoute | Scope::Key => None,
+        };
+        let spec = self.route(route);
+        let mut chain = Chain {
+            tenant: "",
+            route_name: route,
+            key: "",
+            rules: [None; MAX_LEVELS],
+            len: 0,
+            cost: cost.max(1),
+            dry_run: false,
+            shadow: self.shadow || spec.shadow,
+            unknown_tenant: false,
+            route: spec,
+        };
+        chain.push(scope, rule);
+        if let Some(rule) = rule
+            && chain.cost > rule.limit.capacity()
+        {
+            return Err(RequestError::CostAboveLimit {
+                cost: chain.cost,
+                scope,
+                capacity: rule.limit.capacity(),
+            });
+        }
+        Ok(chain)
+    }
+
     /// Resolves a request into its chain of limits, outermost first: global ceiling,
     /// route, tenant, tenant x route, key.
     ///
@@ -411,5 +461,39 @@ mod tests {
         }
         assert!(refused(""));
         assert!(refused(&"x".repeat(MAX_NAME_LEN + 1)));
+    }
+
+    #[test]
+    fn a_root_level_resolves_alone_whatever_the_tenant_rule() {
+        let policy = from_yaml(
+            "version: 1\nunknown_tenants: reject\n\
+             global:\n  ceiling: { algorithm: fixed_window, limit: 100, window: 1s }\n\
+             routes:\n  /a:\n    limit: { algorithm: fixed_window, limit: 10, window: 1s }\n\
+             tenants:\n  acme:\n    limit: { algorithm: fixed_window, limit: 5, window: 1s }\n",
+            "p.yaml",
+        )
+        .unwrap();
+        let b = NameBounds::default();
+        let scopes = |c: &Chain<'_>| c.levels().map(|l| l.scope).collect::<Vec<_>>();
+        let global = policy.resolve_root(Scope::Global, "", 1, &b).unwrap();
+        assert_eq!(scopes(&global), [Scope::Global]);
+        assert!(!global.unknown_tenant);
+        assert_eq!(global.keys()[0], LimitKeyRef::GLOBAL);
+        let route = policy.resolve_root(Scope::Route, "/a", 3, &b).unwrap();
+        assert_eq!(scopes(&route), [Scope::Route]);
+        assert_eq!((route.cost, route.keys()[0].route, route.keys()[0].tenant), (3, "/a", ""));
+        // The same level through a tenant's request has the same counter.
+        let via = policy.resolve(&Request::new("acme", "/a"), &b).unwrap();
+        assert_eq!(via.keys()[1], route.keys()[0]);
+        assert!(scopes(&policy.resolve_root(Scope::Route, "/b", 1, &b).unwrap()).is_empty());
+        assert!(scopes(&policy.resolve_root(Scope::Tenant, "/a", 1, &b).unwrap()).is_empty());
+        assert_eq!(
+            policy.resolve_root(Scope::Route, "", 1, &b).unwrap_err(),
+            RequestError::EmptyName { field: "route" }
+        );
+        assert!(matches!(
+            policy.resolve_root(Scope::Route, "/a", 11, &b),
+            Err(RequestError::CostAboveLimit { cost: 11, scope: Scope::Route, capacity: 10 })
+        ));
     }
 }

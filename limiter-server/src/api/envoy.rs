@@ -260,8 +260,14 @@ fn answer(outcomes: &[Outcome], detail: Option<&str>) -> rls::RateLimitResponse 
     let over = statuses.iter().any(|s| s.code == i32::from(Code::OverLimit));
     // Rejected limits first: a client reading the first item sees why.
     items.sort_by_key(|(_, _, o)| !*o);
-    let mut fields = Vec::new();
-    if !items.is_empty() {
+    let mut fields = Vec::with_capacity(if over { 5 } else { 2 });
+    if let [_] = items.as_slice()
+        && let Some((policy, item, _)) = items.pop()
+    {
+        // One limit (the common call): its items are the fields, with no joining.
+        fields.push(header("RateLimit-Policy", policy));
+        fields.push(header("RateLimit", item));
+    } else if !items.is_empty() {
         let join = |pick: fn(&(String, String, bool)) -> &str| {
             items.iter().map(pick).collect::<Vec<_>>().join(", ")
         };

@@ -287,17 +287,21 @@ fn store_counter(limiter: &Limiter, policy: &Policy, c: &pb::CounterState, now: 
     let Ok(state) = serde_json::from_slice::<LimitState>(&c.state) else {
         return Stored::Implausible;
     };
-    // Root counters do not depend on the tenant; any valid name resolves them.
-    let tenant = if c.tenant.is_empty() { "-" } else { &c.tenant };
-    let route = if c.route.is_empty() { "-" } else { &c.route };
-    let req = Request {
-        tenant,
-        route,
-        key: (!c.key.is_empty()).then_some(c.key.as_str()),
-        cost: Some(1),
-        dry_run: true,
+    let bounds = limiter_core::policy::NameBounds::default();
+    // Root counters are no tenant's: resolved alone.
+    let chain = if super::slices::is_root(scope) {
+        policy.resolve_root(scope, &c.route, 1, &bounds)
+    } else {
+        let req = Request {
+            tenant: &c.tenant,
+            route: &c.route,
+            key: (!c.key.is_empty()).then_some(c.key.as_str()),
+            cost: Some(1),
+            dry_run: true,
+        };
+        policy.resolve(&req, &bounds)
     };
-    let Ok(chain) = policy.resolve(&req, &limiter_core::policy::NameBounds::default()) else {
+    let Ok(chain) = chain else {
         return Stored::NoSuchLevel;
     };
     let Some(level) = chain.levels().find(|l| l.scope == scope) else {

@@ -378,7 +378,6 @@ impl Cluster {
         &self,
         key: &SliceKey,
         owner: &Member,
-        tenant: &str,
         cost: u64,
         want: u64,
     ) -> Result<(), ServerError> {
@@ -394,8 +393,9 @@ impl Cluster {
         // needs), at least the waiting request.
         let want = (demand / 2).max(want).max(cost).max(1);
         let item = pb::LeaseItem {
-            tenant: tenant.to_owned(),
-            route: if key.1.is_empty() { "-".to_owned() } else { key.1.to_string() },
+            // A root level is no tenant's: the owner resolves it alone.
+            tenant: String::new(),
+            route: key.1.to_string(),
             key: String::new(),
             lease_id,
             unspent,
@@ -448,13 +448,13 @@ impl Cluster {
     }
 
     /// Renews slices that are low or ending and returns idle ones (background).
-    pub async fn renew_slices(&self, tenant_hint: &str) {
+    pub async fn renew_slices(&self) {
         let now = self.clock.now();
         for (key, idle) in self.slices.due(now, 2 * PERIOD * 4) {
             let owner = self.owner_of(&owner_name(key.0, "", &key.1));
             if idle {
                 self.return_slice(&key, &owner).await;
-            } else if let Err(e) = self.refill(&key, &owner, tenant_hint, 1, 1).await {
+            } else if let Err(e) = self.refill(&key, &owner, 1, 1).await {
                 tracing::debug!("slice renewal: {e}");
             }
         }
@@ -476,8 +476,7 @@ impl Cluster {
             return;
         }
         let item = pb::LeaseItem {
-            tenant: "-".to_owned(),
-            route: if key.1.is_empty() { "-".to_owned() } else { key.1.to_string() },
+            route: key.1.to_string(),
             lease_id,
             unspent,
             level: convert::scope(key.0).into(),

@@ -28,7 +28,7 @@ use limiter_proto::limiter::v1 as pb;
 use parking_lot::Mutex;
 
 use crate::cluster::Cluster;
-use crate::cluster::slices::Remote;
+use crate::cluster::slices::{Remote, is_root};
 use crate::convert;
 use crate::error::ServerError;
 use crate::metrics::{self as m, Api};
@@ -213,10 +213,17 @@ impl Owner {
             cost: Some(item.cost.max(1)),
             dry_run: false,
         };
-        let full = policy.policy.resolve(&req, &self.limits().names)?;
-        // A node leasing a slice of one root level, or an agent leasing a chain
-        // whose root levels other nodes own (paid from this node's slices).
+        let names = &self.limits().names;
+        // A node leasing a slice of one root level (no tenant involved), or an agent
+        // leasing a chain whose root levels other nodes own (paid from this node's
+        // slices).
         let slice_of = convert::scope_from(item.level);
+        let full = match slice_of {
+            Some(level) if is_root(level) => {
+                policy.policy.resolve_root(level, &item.route, item.cost, names)?
+            }
+            _ => policy.policy.resolve(&req, names)?,
+        };
         let (chain, slices) = match slice_of {
             Some(level) => (full.retain_levels(|l| l.scope == level), Remote::default()),
             None => self.split(&full),
@@ -393,7 +400,7 @@ impl Owner {
         let capacity = chain.levels().map(|l| l.rule.limit.capacity()).min().unwrap_or(u64::MAX);
         let size = grant_size(&ask, remaining, capacity, renewal.active);
         let Some((from_slices, until)) =
-            self.take_slices(cluster, full, slices, size, ask.cost, full.tenant()).await?
+            self.take_slices(cluster, full, slices, size, ask.cost).await?
         else {
             return Ok((Leased::Short, Nanos::MAX));
         };
@@ -418,7 +425,6 @@ impl Owner {
         remote: &Remote,
         want: u64,
         min: u64,
-        tenant: &str,
     ) -> Result<Option<(u64, Nanos)>, ServerError> {
         // A refill for an agent asks for the whole grant (never more than the root
         // level can hold): near the limit the owner refuses, and the refusal, kept
@@ -437,7 +443,7 @@ impl Owner {
                 Ok(got) => return Ok(Some(got)),
                 Err(crate::cluster::slices::Take::Short(key)) => {
                     let Some(owner) = remote.owner(&key) else { return Ok(None) };
-                    match cluster.refill(&key, owner, tenant, need, want).await {
+                    match cluster.refill(&key, owner, need, want).await {
                         Ok(()) => {}
                         Err(ServerError::Exhausted(_)) => return Ok(None),
                         Err(e) => return Err(e),

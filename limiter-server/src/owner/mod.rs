@@ -290,7 +290,7 @@ impl Owner {
                 }
                 Take::Short(key) => {
                     let owner = remote.owner(&key).ok_or_else(lost)?;
-                    cluster.refill(&key, owner, req.tenant, chain.cost, chain.cost).await?;
+                    cluster.refill(&key, owner, chain.cost, chain.cost).await?;
                     last = key;
                 }
                 Take::Denied(key, wait) => return refuse(&key, wait),

@@ -338,6 +338,19 @@ impl Policy {
         }
     }
 
+    /// The rule a counter key is charged under, if the policy has one for it: the
+    /// global ceiling, a route's limit, or a tenant's (the default's for an unlisted
+    /// tenant when the policy admits those) limit, route limit or per-key limit.
+    pub fn rule_of(&self, key: &LimitKeyRef<'_>) -> Option<&LimitRule> {
+        match key.scope {
+            Scope::Global => self.global.as_ref(),
+            Scope::Route => self.routes.get(key.route)?.limit.as_ref(),
+            Scope::Tenant => self.tenant(key.tenant)?.limit.as_ref(),
+            Scope::TenantRoute => Some(&self.tenant(key.tenant)?.routes.get(key.route)?.rule),
+            Scope::Key => self.tenant(key.tenant)?.per_key.as_ref(),
+        }
+    }
+
     /// The chain of one root level alone, the global ceiling or `route`'s limit across
     /// tenants: what a node leasing a slice of it is charged against. No tenant is
     /// involved (a root level is every tenant's), so the unknown-tenant rule does not
@@ -491,6 +504,12 @@ mod tests {
             policy.resolve_root(Scope::Route, "", 1, &b).unwrap_err(),
             RequestError::EmptyName { field: "route" }
         );
+        // Every level's counter key names the level's own rule.
+        for l in via.levels() {
+            assert!(std::ptr::eq(policy.rule_of(&l.key).unwrap(), l.rule), "{:?}", l.scope);
+        }
+        let unknown = LimitKeyRef::new(Scope::Tenant, "nobody", "", "");
+        assert!(policy.rule_of(&unknown).is_none(), "unknown tenants are refused here");
         assert!(matches!(
             policy.resolve_root(Scope::Route, "/a", 11, &b),
             Err(RequestError::CostAboveLimit { cost: 11, scope: Scope::Route, capacity: 10 })

@@ -8,10 +8,12 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 
 use limiter_core::Limiter;
+use limiter_core::Scope;
 use limiter_core::algorithm::Algorithm;
 use limiter_core::clock::Nanos;
+use limiter_core::key::LimitKeyRef;
 use limiter_core::limit::LimitState;
-use limiter_core::policy::{Policy, Request};
+use limiter_core::policy::Policy;
 use limiter_proto::limiter::v1 as pb;
 
 use super::ring::{Member, Ring};
@@ -287,26 +289,29 @@ fn store_counter(limiter: &Limiter, policy: &Policy, c: &pb::CounterState, now: 
     let Ok(state) = serde_json::from_slice::<LimitState>(&c.state) else {
         return Stored::Implausible;
     };
+    let key = LimitKeyRef::new(scope, &c.tenant, &c.route, &c.key);
+    // Names a request could not carry have no counter here (and would not fit one).
     let bounds = limiter_core::policy::NameBounds::default();
-    // Root counters are no tenant's: resolved alone.
-    let chain = if super::slices::is_root(scope) {
-        policy.resolve_root(scope, &c.route, 1, &bounds)
-    } else {
-        let req = Request {
-            tenant: &c.tenant,
-            route: &c.route,
-            key: (!c.key.is_empty()).then_some(c.key.as_str()),
-            cost: Some(1),
-            dry_run: true,
-        };
-        policy.resolve(&req, &bounds)
+    let fits = |name: &str, max: usize, needed: bool| {
+        name.len() <= max && !name.chars().any(char::is_control) && (!needed || !name.is_empty())
     };
-    let Ok(chain) = chain else {
+    let (t, r, k) = match scope {
+        Scope::Global => (false, false, false),
+        Scope::Route => (false, true, false),
+        Scope::Tenant => (true, false, false),
+        Scope::TenantRoute => (true, true, false),
+        Scope::Key => (true, true, true),
+    };
+    if !(fits(key.tenant, bounds.tenant, t)
+        && fits(key.route, bounds.route, r)
+        && fits(key.key, bounds.key, k))
+    {
+        return Stored::NoSuchLevel;
+    }
+    let Some(rule) = policy.rule_of(&key) else {
         return Stored::NoSuchLevel;
     };
-    let Some(level) = chain.levels().find(|l| l.scope == scope) else {
-        return Stored::NoSuchLevel;
-    };
+    let level = limiter_core::policy::Level { scope, rule, key };
     if !level.rule.limit.plausible(&state, now, HANDOFF_SKEW) {
         return Stored::Implausible;
     }

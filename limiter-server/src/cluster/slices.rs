@@ -494,48 +494,4 @@ impl Cluster {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn key() -> SliceKey {
-        (Scope::Global, "".into())
-    }
-
-    #[test]
-    fn takes_all_or_nothing_and_gives_back() {
-        let s = Slices::default();
-        let k = [key(), (Scope::Route, "/a".into())];
-        assert_eq!(s.take(&k, 1, 0), Take::Short(key()));
-        s.install(&k[0], 1, 10, 100);
-        assert_eq!(s.take(&k, 1, 0), Take::Short(k[1].clone()));
-        s.install(&k[1], 2, 3, 100);
-        assert_eq!(s.take(&k, 3, 0), Take::Taken);
-        assert_eq!(s.take(&k, 1, 0), Take::Short(k[1].clone()));
-        s.give_back(&k, 2, 1);
-        assert_eq!(s.take(&k, 2, 1), Take::Taken);
-        // Past its end a slice is spent, whatever is left.
-        assert_eq!(s.take(&k[..1], 1, 100), Take::Short(key()));
-    }
-
-    #[test]
-    fn a_refusal_stands_briefly_and_returns_credit_only_the_same_lease() {
-        let s = Slices::default();
-        s.deny(&key(), 0, 5_000_000);
-        assert!(matches!(s.take(&[key()], 1, 1), Take::Denied(..)));
-        assert_eq!(s.take(&[key()], 1, 6_000_000), Take::Short(key()));
-        s.install(&key(), 7, 10, 1_000_000_000);
-        assert_eq!(s.take_up_to(&[key()], 4, 1, 10), Ok((4, 1_000_000_000)));
-        s.funded(99, &[key()], 1_000_000_000);
-        s.returned(99, 3, 20);
-        assert!(s.has(&key(), 9, 20));
-        // Renewed: what agents return from the old slice stays spendable until the
-        // old slice's end, and is spent first.
-        s.funded(100, &[key()], 500);
-        s.install(&key(), 8, 1, 2_000_000_000);
-        s.returned(100, 5, 30);
-        assert!(s.has(&key(), 6, 30));
-        assert_eq!(s.take_up_to(&[key()], 2, 1, 40), Ok((2, 500)), "carried units end first");
-        assert!(s.has(&key(), 4, 499));
-        assert!(!s.has(&key(), 5, 500), "carried units end with their slice");
-    }
-}
+mod tests;

@@ -119,7 +119,7 @@ pub enum Leased {
 }
 
 /// The tightest capacity over a chain's levels.
-fn capacity(chain: &Chain<'_>) -> u64 {
+pub(crate) fn capacity(chain: &Chain<'_>) -> u64 {
     chain.levels().map(|l| l.rule.limit.capacity()).min().unwrap_or(u64::MAX)
 }
 

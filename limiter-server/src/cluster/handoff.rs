@@ -6,6 +6,7 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
+use std::time::Duration;
 
 use limiter_core::Limiter;
 use limiter_core::Scope;
@@ -187,9 +188,27 @@ impl Cluster {
                 leases: leases_of.remove(&member.id).unwrap_or_default(),
             };
             async move {
-                let sent = match self.peer(member) {
-                    Ok(p) => p.handoff(req, self.config.handoff_timeout).await,
-                    Err(e) => Err(e),
+                // A node that has just joined may not see this one in its ring yet and
+                // refuses the sender; its view catches up within a poll, so a refusal
+                // is retried (backing off) until the handoff timeout, not dropped.
+                let deadline = tokio::time::Instant::now() + self.config.handoff_timeout;
+                let mut pause = Duration::from_millis(50);
+                let sent = loop {
+                    let sent = match self.peer(member) {
+                        Ok(p) => p.handoff(req.clone(), self.config.handoff_timeout).await,
+                        Err(e) => Err(e),
+                    };
+                    match sent {
+                        Err(s)
+                            if s.code() == tonic::Code::PermissionDenied
+                                && tokio::time::Instant::now() + pause < deadline =>
+                        {
+                            tracing::debug!(to = %member.id, "handoff refused, retried: {}", s.message());
+                            tokio::time::sleep(pause).await;
+                            pause *= 2;
+                        }
+                        other => break other,
+                    }
                 };
                 match sent {
                     Ok(_) => {

@@ -19,7 +19,7 @@
 
 use limiter_core::algorithm::Algorithm;
 use limiter_core::clock::{NANOS_PER_SEC, Nanos};
-use limiter_core::lease::{Ask, LeaseRecord, Settled, goes_direct, grant_size};
+use limiter_core::lease::{Ask, LeaseRecord, Settled};
 use limiter_core::policy::{Chain, FailurePolicy, Request};
 use limiter_proto::limiter::v1 as pb;
 
@@ -291,12 +291,9 @@ impl Owner {
         now: Nanos,
     ) -> Result<(Leased, Nanos), ServerError> {
         let ask = renewal.ask;
-        let remaining = self.store().remaining(chain, now).await?;
-        if goes_direct(remaining, ask.cost, renewal.active) {
+        let Some(size) = renewal.size(chain, self.store().remaining(chain, now).await?) else {
             return Ok((Leased::Direct, Nanos::MAX));
-        }
-        let capacity = chain.levels().map(|l| l.rule.limit.capacity()).min().unwrap_or(u64::MAX);
-        let size = grant_size(&ask, remaining, capacity, renewal.active);
+        };
         let Some((from_slices, until)) =
             self.take_slices(cluster, full, slices, size, ask.cost).await?
         else {
@@ -305,7 +302,7 @@ impl Owner {
         let hold = ask.hold.min(until.saturating_sub(now));
         let g = self.store().grant(chain, now, from_slices, hold).await?;
         cluster.slices().give_back(&slices.keys, from_slices - g.units.min(from_slices), now);
-        if g.units < ask.cost || g.units == 0 {
+        if !renewal.covers(g.units) {
             self.store().refund_grant(chain, now, g.granted_at, g.hold, g.units).await?;
             cluster.slices().give_back(&slices.keys, g.units, now);
             return Ok((Leased::Short, Nanos::MAX));

@@ -95,6 +95,21 @@ pub struct Renewal {
     pub active: u64,
 }
 
+impl Renewal {
+    /// What to grant from `remaining` by the grant rule; `None` in direct mode.
+    pub(crate) fn size(&self, chain: &Chain<'_>, remaining: u64) -> Option<u64> {
+        if goes_direct(remaining, self.ask.cost, self.active) {
+            return None;
+        }
+        Some(grant_size(&self.ask, remaining, capacity(chain), self.active))
+    }
+
+    /// Whether a grant of `units` can be held: at least one, and the waiting request.
+    pub(crate) fn covers(&self, units: u64) -> bool {
+        units > 0 && units >= self.ask.cost
+    }
+}
+
 /// Units of an earlier grant given back.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Returned {
@@ -304,14 +319,11 @@ impl Store {
         if let Some(b) = renewal.back {
             l.refund_grant(chain, now, b.granted_at, b.hold, b.units);
         }
-        let remaining = l.remaining(chain, now);
-        let ask = &renewal.ask;
-        if goes_direct(remaining, ask.cost, renewal.active) {
+        let Some(size) = renewal.size(chain, l.remaining(chain, now)) else {
             return Ok(Leased::Direct);
-        }
-        let size = grant_size(ask, remaining, capacity(chain), renewal.active);
-        let g = l.grant(chain, now, size, ask.hold);
-        if g.units == 0 || g.units < ask.cost {
+        };
+        let g = l.grant(chain, now, size, renewal.ask.hold);
+        if !renewal.covers(g.units) {
             l.refund_grant(chain, now, g.granted_at, g.hold, g.units);
             return Ok(Leased::Short);
         }

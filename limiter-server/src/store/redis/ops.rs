@@ -4,7 +4,6 @@
 
 use limiter_core::clock::Nanos;
 use limiter_core::decision::{Binding, Decision};
-use limiter_core::lease::{goes_direct, grant_size};
 use limiter_core::policy::Chain;
 use limiter_core::{Grant, Verdict};
 
@@ -308,14 +307,11 @@ impl RedisStore {
         let groups = self.groups(chain);
         let &[group] = groups.as_slice() else {
             self.refund_grant(chain, now, back.granted_at, back.hold, back.units).await?;
-            let remaining = self.remaining(chain, now).await?;
-            let capacity = crate::store::capacity(chain);
-            if goes_direct(remaining, renewal.ask.cost, renewal.active) {
+            let Some(size) = renewal.size(chain, self.remaining(chain, now).await?) else {
                 return Ok(Leased::Direct);
-            }
-            let size = grant_size(&renewal.ask, remaining, capacity, renewal.active);
+            };
             let g = self.grant(chain, now, size, renewal.ask.hold).await?;
-            if g.units == 0 || g.units < renewal.ask.cost {
+            if !renewal.covers(g.units) {
                 self.refund_grant(chain, now, g.granted_at, g.hold, g.units).await?;
                 return Ok(Leased::Short);
             }
@@ -347,7 +343,7 @@ impl RedisStore {
         }
         let units = u64::try_from(units).unwrap_or(0);
         let binding = usize::try_from(binding).ok().and_then(|b| b.checked_sub(1));
-        if units == 0 || units < ask.cost || binding.is_some_and(|b| b >= chain.len()) {
+        if !renewal.covers(units) || binding.is_some_and(|b| b >= chain.len()) {
             tracing::debug!(reply = ?r, "malformed lease reply");
             return Err(StoreError::Malformed("lease").into());
         }

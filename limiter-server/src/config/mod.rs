@@ -9,18 +9,18 @@ use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use limiter_core::key::MAX_NAME_LEN;
 use limiter_core::policy::NameBounds;
 use serde::Deserialize;
 
 pub mod cluster;
 pub mod redis;
 pub mod security;
+mod typed;
 
+use self::cluster::RawCluster;
 pub use self::cluster::{ClusterConfig, Membership, Peer};
-use self::cluster::{RawCluster, cluster_config};
+use self::redis::RawRedis;
 pub use self::redis::StoreKind;
-use self::redis::{RawRedis, redis_settings};
 
 /// Exit status for bad configuration (`EX_CONFIG`... `EX_USAGE` in sysexits: 64).
 pub const EXIT_BAD_CONFIG: i32 = 64;
@@ -390,192 +390,6 @@ pub(super) fn millis(errors: &mut Vec<String>, name: &str, v: i64, allow_zero: b
         return Duration::from_millis(1);
     }
     Duration::from_millis(u64::try_from(v).unwrap_or(0))
-}
-
-impl TryFrom<Raw> for ServerConfig {
-    type Error = ConfigError;
-
-    fn try_from(raw: Raw) -> Result<Self, ConfigError> {
-        let mut errors = Vec::new();
-        let mut addr = |name: &str, v: &str| match v.parse::<SocketAddr>() {
-            Ok(a) => Some(a),
-            Err(e) => {
-                errors.push(format!("{name}: `{v}` is not an address like 127.0.0.1:50051 ({e})"));
-                None
-            }
-        };
-        let listen = addr("listen", &raw.listen);
-        let admin_listen = addr("admin_listen", &raw.admin_listen);
-        let policy_file = match raw.policy_file {
-            Some(p) if !p.trim().is_empty() => PathBuf::from(p),
-            _ => {
-                errors.push("policy_file: required (the tenant policy YAML)".to_owned());
-                PathBuf::new()
-            }
-        };
-        let store = match raw.store.kind.as_str() {
-            "memory" => StoreKind::Memory,
-            "redis" => StoreKind::Redis(redis_settings(&mut errors, &raw.store.redis)),
-            other => {
-                errors.push(format!("store.kind: expected `memory` or `redis`, found `{other}`"));
-                StoreKind::Memory
-            }
-        };
-        let max_keys = positive(&mut errors, "store.max_keys", raw.store.max_keys, 1 << 40);
-        let sweep_interval =
-            millis(&mut errors, "store.sweep_interval_ms", raw.store.sweep_interval_ms, false);
-        let name_max = i64::try_from(MAX_NAME_LEN).unwrap_or(i64::MAX);
-        let l = &raw.limits;
-        let limits = Limits {
-            names: NameBounds {
-                tenant: positive(&mut errors, "limits.max_tenant_len", l.max_tenant_len, name_max),
-                route: positive(&mut errors, "limits.max_route_len", l.max_route_len, name_max),
-                key: positive(&mut errors, "limits.max_key_len", l.max_key_len, name_max),
-            },
-            max_batch: positive(&mut errors, "limits.max_batch", l.max_batch, 10_000),
-            max_descriptors: positive(
-                &mut errors,
-                "limits.max_descriptors",
-                l.max_descriptors,
-                1_000,
-            ),
-            max_message_bytes: positive(
-                &mut errors,
-                "limits.max_message_bytes",
-                l.max_message_bytes,
-                64 << 20,
-            ),
-            max_open_tickets: positive(
-                &mut errors,
-                "limits.max_open_tickets",
-                l.max_open_tickets,
-                100_000_000,
-            ),
-            max_concurrent_streams: u32::try_from(positive(
-                &mut errors,
-                "limits.max_concurrent_streams",
-                l.max_concurrent_streams,
-                1 << 20,
-            ))
-            .unwrap_or(1),
-            max_keys_per_tenant: u32::try_from(positive(
-                &mut errors,
-                "limits.max_keys_per_tenant",
-                l.max_keys_per_tenant,
-                i64::from(u32::MAX),
-            ))
-            .unwrap_or(1),
-            max_log_entries: positive(
-                &mut errors,
-                "limits.max_log_entries",
-                l.max_log_entries,
-                i64::try_from(limiter_core::policy::load::SLIDING_LOG_MAX_LIMIT)
-                    .unwrap_or(i64::MAX),
-            ) as u64,
-            max_connections: count_or_zero(
-                &mut errors,
-                "limits.max_connections",
-                l.max_connections,
-            ),
-            max_admin_connections: count_or_zero(
-                &mut errors,
-                "limits.max_admin_connections",
-                l.max_admin_connections,
-            ),
-            header_timeout: millis(
-                &mut errors,
-                "limits.header_timeout_ms",
-                l.header_timeout_ms,
-                false,
-            ),
-            idle_timeout: millis(&mut errors, "limits.idle_timeout_ms", l.idle_timeout_ms, false),
-            admin_idle_timeout: millis(
-                &mut errors,
-                "limits.admin_idle_timeout_ms",
-                l.admin_idle_timeout_ms,
-                false,
-            ),
-            keepalive_interval: millis(
-                &mut errors,
-                "limits.keepalive_interval_ms",
-                l.keepalive_interval_ms,
-                false,
-            ),
-            keepalive_timeout: millis(
-                &mut errors,
-                "limits.keepalive_timeout_ms",
-                l.keepalive_timeout_ms,
-                false,
-            ),
-            request_timeout: millis(
-                &mut errors,
-                "limits.request_timeout_ms",
-                l.request_timeout_ms,
-                false,
-            ),
-            max_policy_bytes: positive(
-                &mut errors,
-                "limits.max_policy_bytes",
-                l.max_policy_bytes,
-                1 << 40,
-            ) as u64,
-        };
-        let tenant_from = match raw.envoy.tenant_from.as_str() {
-            "domain" => TenantFrom::Domain,
-            "entry" if !raw.envoy.tenant_key.is_empty() => {
-                TenantFrom::Entry(raw.envoy.tenant_key.clone())
-            }
-            other => {
-                errors.push(format!("envoy.tenant_from: expected `domain` or `entry` (with envoy.tenant_key), found `{other}`"));
-                TenantFrom::Domain
-            }
-        };
-        if raw.envoy.route_key.is_empty() {
-            errors.push("envoy.route_key: must not be empty".to_owned());
-        }
-        let reload_poll =
-            millis(&mut errors, "reload.poll_interval_ms", raw.reload.poll_interval_ms, false);
-        let reload_settle = millis(&mut errors, "reload.settle_ms", raw.reload.settle_ms, true);
-        let drain_delay =
-            millis(&mut errors, "shutdown.drain_delay_ms", raw.shutdown.drain_delay_ms, true);
-        let grace = millis(&mut errors, "shutdown.grace_ms", raw.shutdown.grace_ms, true);
-        let cluster = cluster_config(&mut errors, &raw.cluster, &raw.listen);
-        let clustered = cluster.membership != Membership::Single;
-        let security = security::config(&mut errors, &raw.security, clustered);
-        if clustered && security.grpc.auth == security::AuthMode::None && !cluster.insecure_peers {
-            errors.push(
-                "cluster.membership: a cluster whose gRPC port has `security.grpc.auth: none` \
-                 lets any client act as a peer (hand off counters, send forwarded calls); \
-                 set security.grpc.auth to `token` or `mtls`, or set \
-                 cluster.insecure_peers: true to accept that"
-                    .to_owned(),
-            );
-        }
-        if !errors.is_empty() {
-            return Err(ConfigError(errors));
-        }
-        Ok(Self {
-            listen: listen.expect("checked"),
-            admin_listen: admin_listen.expect("checked"),
-            policy_file,
-            store,
-            max_keys,
-            sweep_interval,
-            limits,
-            envoy: EnvoyMapping {
-                tenant_from,
-                route_key: raw.envoy.route_key,
-                default_route: raw.envoy.default_route.filter(|r| !r.is_empty()),
-            },
-            reload_poll,
-            reload_settle,
-            show_keys: raw.dashboard.show_keys,
-            drain_delay,
-            grace,
-            cluster,
-            security,
-        })
-    }
 }
 
 #[cfg(test)]

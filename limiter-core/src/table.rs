@@ -182,6 +182,12 @@ impl StateTable {
         self
     }
 
+    /// Whether some tenant is at its key cap (until one is, every key is admitted and
+    /// [`Self::admits`] need not be asked).
+    pub fn some_tenant_at_cap(&self) -> bool {
+        self.tenant_keys.as_ref().is_some_and(|t| t.at_cap.load(Ordering::Relaxed) > 0)
+    }
+
     /// Whether a decision on `keys` may go ahead: each key-scope counter it needs
     /// exists already, or its tenant is below its cap. Checked before deciding; two
     /// new keys of one tenant checked at once may both pass (the cap holds within the

@@ -367,12 +367,14 @@ impl Policy {
         cost: u64,
         bounds: &NameBounds,
     ) -> Result<Chain<'a>, RequestError> {
+        // A global slice names no route; any route named is still a caller's name,
+        // bounded like every other (it is filed with the lease).
+        if scope == Scope::Route || !route.is_empty() {
+            check_name("route", route, bounds.route)?;
+        }
         let rule = match scope {
             Scope::Global => self.global.as_ref(),
-            Scope::Route => {
-                check_name("route", route, bounds.route)?;
-                self.route(route).limit.as_ref()
-            }
+            Scope::Route => self.route(route).limit.as_ref(),
             Scope::Tenant | Scope::TenantRoute | Scope::Key => None,
         };
         let spec = self.route(route);
@@ -504,6 +506,11 @@ mod tests {
             policy.resolve_root(Scope::Route, "", 1, &b).unwrap_err(),
             RequestError::EmptyName { field: "route" }
         );
+        let long = "/".repeat(b.route + 1);
+        assert!(matches!(
+            policy.resolve_root(Scope::Global, &long, 1, &b),
+            Err(RequestError::NameTooLong { field: "route", .. })
+        ));
         // Every level's counter key names the level's own rule.
         for l in via.levels() {
             assert!(std::ptr::eq(policy.rule_of(&l.key).unwrap(), l.rule), "{:?}", l.scope);

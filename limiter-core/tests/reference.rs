@@ -1,0 +1,181 @@
+//! The four algorithms against the independent reference (`limiter-reference`): random
+//! schedules of decisions, unchecked charges, grants and refunds at Unix-scale times,
+//! every answer compared at every step, and `retry_after` checked on a clone of the
+//! state (still refused one nanosecond before it, admitted at it).
+
+use std::num::NonZeroU64;
+
+use limiter_core::algorithm::{
+    Algorithm, Check, FixedWindow, SlidingCounter, SlidingLog, TokenBucket,
+};
+use limiter_core::rate::Rate;
+use limiter_reference::{Level, Spec};
+use proptest::prelude::*;
+
+/// About 2027 in nanoseconds since the epoch: where the production clock runs.
+const UNIX_NOW: u64 = 1_800_000_000_000_000_000;
+
+#[derive(Debug, Clone)]
+enum Op {
+    /// Time passes.
+    Wait(u64),
+    /// A decision for a cost.
+    Take(u64),
+    /// Usage reported after the fact, charged unchecked.
+    Charge(u64),
+    /// A grant of at most `max` units for `hold` nanoseconds.
+    Grant { max: u64, hold: u64 },
+    /// Gives back up to `units` of the n-th earlier grant (modulo their count).
+    Refund { grant: usize, units: u64 },
+}
+
+fn op(window: u64, cap: u64) -> impl Strategy<Value = Op> {
+    prop_oneof![
+        4 => (0..=window / 3).prop_map(Op::Wait),
+        1 => (0..=3 * window).prop_map(Op::Wait),
+        6 => (1..=cap).prop_map(Op::Take),
+        1 => (1..=3 * cap).prop_map(Op::Charge),
+        2 => ((1..=cap), (0..=window / 2)).prop_map(|(max, hold)| Op::Grant { max, hold }),
+        2 => ((0usize..8), (1..=cap)).prop_map(|(grant, units)| Op::Refund { grant, units }),
+    ]
+}
+
+/// Runs `ops` on the core algorithm and on the reference, comparing every answer.
+fn compare<A: Algorithm>(
+    alg: &A,
+    spec: Spec,
+    start: u64,
+    ops: &[Op],
+    probe: u64,
+) -> Result<(), TestCaseError> {
+    let mut state = A::State::default();
+    let mut reference = Level::new(spec);
+    let mut now = start;
+    let mut grants: Vec<(u64, u64)> = Vec::new();
+    let cap = alg.capacity();
+    prop_assert_eq!(cap, spec.capacity());
+    for (n, op) in ops.iter().enumerate() {
+        let at = format!("step {n} ({op:?}) at start + {}", now - start);
+        match *op {
+            Op::Wait(d) => now += d,
+            Op::Take(cost) => {
+                let want = reference.try_take(now, cost);
+                let got = alg.try_acquire(&mut state, now, cost);
+                prop_assert_eq!(matches!(got, Check::Admit { .. }), want, "{}", at);
+                match got {
+                    Check::Admit { remaining } => {
+                        prop_assert_eq!(remaining, reference.remaining(now), "{}", at);
+                    }
+                    Check::Deny { retry_after } => {
+                        prop_assert_eq!(retry_after, reference.retry_after(now, cost), "{}", at);
+                    }
+                }
+            }
+            Op::Charge(units) => {
+                alg.charge(&mut state, now, units);
+                reference.charge(now, units);
+            }
+            Op::Grant { max, hold } => {
+                let (units, held, stamp) = reference.grant(now, max, hold);
+                let got_hold = alg.grant_hold(now, hold);
+                prop_assert_eq!(got_hold, held, "{}: hold", at);
+                let got_stamp = alg.grant_stamp(now, got_hold);
+                prop_assert_eq!(got_stamp, stamp, "{}: stamp", at);
+                let got = max.min(alg.remaining(&state, now));
+                prop_assert_eq!(got, units, "{}: units", at);
+                if got > 0 {
+                    alg.charge_at(&mut state, now, got_stamp, got);
+                }
+                grants.push((stamp, units));
+            }
+            Op::Refund { grant, units } => {
+                if !grants.is_empty() {
+                    let (stamp, held) = grants[grant % grants.len()];
+                    let units = units.min(held);
+                    alg.refund(&mut state, now, stamp, units);
+                    reference.refund(now, stamp, units);
+                }
+            }
+        }
+        prop_assert_eq!(alg.remaining(&state, now), reference.remaining(now), "{}: remaining", at);
+        prop_assert_eq!(alg.reset_after(&state, now), reference.reset_after(now), "{}: reset", at);
+        prop_assert_eq!(alg.is_idle(&state, now), reference.is_full(now), "{}: idle", at);
+        for cost in [1, probe.min(cap), cap] {
+            let wait = alg.retry_after(&state, now, cost);
+            prop_assert_eq!(
+                wait,
+                reference.retry_after(now, cost),
+                "{}: retry_after({})",
+                at,
+                cost
+            );
+            // On a clone: refused just before the wait, admitted at it.
+            if wait > 0 {
+                let mut early = state.clone();
+                let refused = alg.try_acquire(&mut early, now + wait - 1, cost);
+                prop_assert!(matches!(refused, Check::Deny { .. }), "{}: fits before", at);
+                prop_assert_eq!(&early, &state, "{}: a refusal changed the state", at);
+            }
+            let mut then = state.clone();
+            let admitted = alg.try_acquire(&mut then, now + wait, cost);
+            prop_assert!(matches!(admitted, Check::Admit { .. }), "{}: refused at the wait", at);
+        }
+    }
+    Ok(())
+}
+
+fn nz(v: u64) -> NonZeroU64 {
+    NonZeroU64::new(v).unwrap()
+}
+
+/// A window length: sub-microsecond to minutes, in nanoseconds.
+fn window() -> impl Strategy<Value = u64> {
+    prop_oneof![1u64..2_000, 1_000_000u64..3_000_000_000, Just(60_000_000_000)]
+}
+
+fn schedule(window: u64, cap: u64) -> impl Strategy<Value = Vec<Op>> {
+    prop::collection::vec(op(window, cap), 1..120)
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(160))]
+
+    #[test]
+    fn token_bucket_matches_the_reference(
+        (amount, period, burst, ops) in (1u64..1_000, prop_oneof![1u64..5_000, 1_000_000u64..3_000_000_000], 1u64..60)
+            .prop_flat_map(|(a, p, b)| (Just(a), Just(p), Just(b), schedule(p.max(b * p / a), b))),
+        offset in 0u64..u64::from(u32::MAX), probe in 1u64..60,
+    ) {
+        let rate = Rate::try_new(amount, period).unwrap();
+        let tb = TokenBucket::new(rate, nz(burst));
+        let spec = Spec::TokenBucket { amount: rate.amount().get(), period: rate.period().get(), burst };
+        compare(&tb, spec, UNIX_NOW + offset, &ops, probe)?;
+    }
+
+    #[test]
+    fn fixed_window_matches_the_reference(
+        (limit, window, ops) in (1u64..40, window()).prop_flat_map(|(l, w)| (Just(l), Just(w), schedule(w, l))),
+        offset in 0u64..u64::from(u32::MAX), probe in 1u64..40,
+    ) {
+        let fw = FixedWindow::new(nz(limit), nz(window));
+        compare(&fw, Spec::FixedWindow { limit, window }, UNIX_NOW + offset, &ops, probe)?;
+    }
+
+    #[test]
+    fn sliding_log_matches_the_reference(
+        (limit, window, ops) in (1u64..40, window()).prop_flat_map(|(l, w)| (Just(l), Just(w), schedule(w, l))),
+        offset in 0u64..u64::from(u32::MAX), probe in 1u64..40,
+    ) {
+        let sl = SlidingLog::new(nz(limit), nz(window));
+        compare(&sl, Spec::SlidingLog { limit, window }, UNIX_NOW + offset, &ops, probe)?;
+    }
+
+    #[test]
+    fn sliding_counter_matches_the_reference(
+        (limit, window, ops) in (1u64..40, window()).prop_flat_map(|(l, w)| (Just(l), Just(w), schedule(w, l))),
+        offset in 0u64..u64::from(u32::MAX), probe in 1u64..40,
+    ) {
+        let sc = SlidingCounter::new(nz(limit), nz(window));
+        compare(&sc, Spec::SlidingCounter { limit, window }, UNIX_NOW + offset, &ops, probe)?;
+    }
+}

@@ -305,18 +305,18 @@ impl Level {
                 self.at = now;
             }
             Spec::FixedWindow { window, .. } => {
-                if stamp / window == now / window {
-                    if let Some(c) = self.counts.get_mut(&(now / window)) {
-                        *c -= units.min(*c);
-                    }
+                if stamp / window == now / window
+                    && let Some(c) = self.counts.get_mut(&(now / window))
+                {
+                    *c -= units.min(*c);
                 }
             }
             Spec::SlidingCounter { window, .. } => {
                 let (granted, current) = (stamp / window, now / window);
-                if granted == current || granted + 1 == current {
-                    if let Some(c) = self.counts.get_mut(&granted) {
-                        *c -= units.min(*c);
-                    }
+                if (granted == current || granted + 1 == current)
+                    && let Some(c) = self.counts.get_mut(&granted)
+                {
+                    *c -= units.min(*c);
                 }
             }
             Spec::SlidingLog { window, .. } => {

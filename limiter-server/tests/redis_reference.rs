@@ -1,0 +1,216 @@
+//! The Lua scripts against the independent reference (`limiter-reference`) on a real
+//! `redis-server` started here: random schedules of decisions, unchecked charges,
+//! grants and refunds, at Unix-scale times passed to the scripts (microseconds, the
+//! scripts' unit), every answer compared. Runs a fixed seed and a random one (or
+//! `REFERENCE_SEED`), each printed, so a failure can be replayed.
+
+mod common;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use common::redis::RedisServer;
+use limiter_core::Decision;
+use limiter_core::clock::MonotonicClock;
+use limiter_core::policy::{NameBounds, Request, from_yaml};
+use limiter_reference::rng::{Rng, seeds};
+use limiter_reference::{Level, Spec};
+use limiter_server::store::Store;
+use limiter_server::store::redis::{PoolKind, RedisClock, RedisSettings, RedisStore};
+
+/// 2027 in microseconds since the epoch.
+const UNIX_NOW_US: u64 = 1_800_000_000_000_000;
+const US: u64 = 1_000;
+
+fn store(url: String, prefix: String) -> Store {
+    let settings = RedisSettings {
+        url,
+        cluster_nodes: Vec::new(),
+        connections: 1,
+        tls_ca_file: None,
+        pool: PoolKind::Multiplexed,
+        connect_timeout: Duration::from_secs(2),
+        command_timeout: Duration::from_secs(2),
+        breaker_threshold: 5,
+        probe_interval: Duration::from_millis(200),
+        key_prefix: prefix,
+        clock: RedisClock::Server,
+        batches: false,
+    };
+    let clock = Arc::new(MonotonicClock::new());
+    Store::redis(RedisStore::new(settings, clock.clone()).unwrap(), clock)
+}
+
+/// A random limit: its policy text and the reference's spec (times in microseconds).
+fn random_limit(rng: &mut Rng, kind: u64) -> (String, Spec) {
+    // Microsecond windows reach every rounding edge; millisecond ones, real limits.
+    let (us, text) = if rng.chance(50) {
+        let us = rng.range(1, 3_000);
+        (us, format!("{us}us"))
+    } else {
+        let ms = rng.range(5, 4_000);
+        (ms * 1_000, format!("{ms}ms"))
+    };
+    let limit = rng.range(1, 40);
+    match kind {
+        0 => {
+            let amount = rng.range(1, 500);
+            let rule =
+                format!("{{ algorithm: token_bucket, rate: {amount}/{text}, burst: {limit} }}");
+            (rule, Spec::TokenBucket { amount, period: us, burst: limit })
+        }
+        1 => (
+            format!("{{ algorithm: fixed_window, limit: {limit}, window: {text} }}"),
+            Spec::FixedWindow { limit, window: us },
+        ),
+        2 => (
+            format!("{{ algorithm: sliding_log, limit: {limit}, window: {text} }}"),
+            Spec::SlidingLog { limit, window: us },
+        ),
+        _ => (
+            format!("{{ algorithm: sliding_counter, limit: {limit}, window: {text} }}"),
+            Spec::SlidingCounter { limit, window: us },
+        ),
+    }
+}
+
+/// One random schedule on one limit; returns the first disagreement.
+/// What the schedules exercised, so that a run that never reaches a limit fails.
+#[derive(Debug, Default)]
+struct Seen {
+    admitted: u64,
+    rejected: u64,
+    granted: u64,
+    refunded: u64,
+}
+
+async fn run_one(
+    store: &Store,
+    rng: &mut Rng,
+    kind: u64,
+    steps: usize,
+    seen: &mut Seen,
+) -> Result<(), String> {
+    let (rule, spec) = random_limit(rng, kind);
+    let policy = from_yaml(&format!("version: 1\ntenants:\n  t:\n    limit: {rule}\n"), "p.yaml")
+        .map_err(|e| e.to_string())?;
+    store.check_policy(&policy).map_err(|e| e.to_string())?;
+    let mut reference = Level::new(spec);
+    let cap = spec.capacity();
+    // The scripts' time line is whole microseconds; the reference's tick is one.
+    let mut now = UNIX_NOW_US + rng.range(0, u64::from(u32::MAX));
+    let mut grants: Vec<(u64, u64, u64)> = Vec::new(); // (granted at, hold, units)
+    let mut decisions: Vec<(u64, u64)> = Vec::new(); // (at, cost)
+    let w = spec.window();
+    // Redis expires keys in real time (the scripts set each key's TTL from the time
+    // they are given), so the schedule's clock is the real one plus its jumps: it
+    // never advances less than real time between two calls, and a key is never
+    // dropped before the schedule's time says it may be.
+    let mut real = tokio::time::Instant::now();
+    for step in 0..steps {
+        let elapsed = real.elapsed();
+        real += elapsed;
+        now += u64::try_from(elapsed.as_micros()).unwrap_or(u64::MAX) + 1;
+        let what = rng.range(0, 99);
+        let cost = rng.range(1, cap);
+        let req = Request { tenant: "t", route: "/r", key: None, cost: Some(cost), dry_run: false };
+        let chain = policy.resolve(&req, &NameBounds::default()).map_err(|e| e.to_string())?;
+        let at = format!("{rule}, step {step} at +{} us", now - UNIX_NOW_US);
+        let ns = now * US;
+        match what {
+            0..=24 => now += rng.range(0, w / 3),
+            25..=29 => now += rng.range(0, 3 * w),
+            30..=64 => {
+                let got = store.decide(&req, &chain, ns).await.map_err(|e| e.to_string())?.0;
+                let want = reference.try_take(now, cost);
+                match got.decision {
+                    Decision::Allowed { remaining, reset_after, .. } => {
+                        seen.admitted += 1;
+                        decisions.push((now, cost));
+                        let exp = (true, reference.remaining(now), reference.reset_after(now) * US);
+                        if (want, remaining, reset_after) != exp {
+                            return Err(format!(
+                                "{at}: decide({cost}) allowed, remaining {remaining}, reset {reset_after} ns; reference {want}, {exp:?}"
+                            ));
+                        }
+                    }
+                    Decision::Rejected { retry_after, .. } => {
+                        seen.rejected += 1;
+                        let exp = reference.retry_after(now, cost) * US;
+                        if want || retry_after != exp {
+                            return Err(format!(
+                                "{at}: decide({cost}) rejected, retry {retry_after} ns; reference admits {want}, retry {exp} ns"
+                            ));
+                        }
+                    }
+                }
+            }
+            65..=72 => {
+                let units = rng.range(1, 3 * cap);
+                store.charge(&chain, ns, units).await.map_err(|e| e.to_string())?;
+                reference.charge(now, units);
+            }
+            73..=84 => {
+                let (max, hold) = (rng.range(1, cap), rng.range(0, w / 2));
+                let g = store.grant(&chain, ns, max, hold * US).await.map_err(|e| e.to_string())?;
+                let (units, held, _) = reference.grant(now, max, hold);
+                if (g.units, g.hold) != (units, held * US) {
+                    return Err(format!(
+                        "{at}: grant({max}, {hold} us) gave {} for {} ns; reference {units} for {} ns",
+                        g.units,
+                        g.hold,
+                        held * US
+                    ));
+                }
+                seen.granted += u64::from(units > 0);
+                grants.push((now, held, units));
+            }
+            85..=92 if !grants.is_empty() => {
+                let i = usize::try_from(rng.range(0, grants.len() as u64 - 1)).unwrap();
+                let (granted, held, units) = grants[i];
+                let back = rng.range(0, units);
+                seen.refunded += u64::from(back > 0);
+                store
+                    .refund_grant(&chain, ns, granted * US, held * US, back)
+                    .await
+                    .map_err(|e| e.to_string())?;
+                reference.refund(now, spec.grant_stamp(granted, held), back);
+            }
+            93..=96 if !decisions.is_empty() => {
+                let i = usize::try_from(rng.range(0, decisions.len() as u64 - 1)).unwrap();
+                let (at_, c) = decisions[i];
+                store.refund(&chain, ns, at_ * US, c).await.map_err(|e| e.to_string())?;
+                reference.refund(now, at_, c);
+            }
+            _ => {}
+        }
+        let left = store.remaining(&chain, now * US).await.map_err(|e| e.to_string())?;
+        if left != reference.remaining(now) {
+            return Err(format!("{at}: remaining {left}, reference {}", reference.remaining(now)));
+        }
+    }
+    Ok(())
+}
+
+#[tokio::test]
+async fn the_scripts_match_the_reference_on_random_schedules() {
+    let redis = RedisServer::start();
+    let mut ops = 0;
+    let mut seen = Seen::default();
+    for seed in seeds(18) {
+        eprintln!("redis_reference: seed {seed} (replay: REFERENCE_SEED={seed})");
+        let mut rng = Rng::new(seed);
+        for case in 0..40u64 {
+            let store = store(redis.url(), format!("ref{seed}:{case}"));
+            let steps = 120;
+            if let Err(e) = run_one(&store, &mut rng, case % 4, steps, &mut seen).await {
+                panic!("seed {seed}, case {case}: {e}");
+            }
+            ops += steps;
+        }
+    }
+    assert!(ops >= 9_000, "{ops} operations");
+    eprintln!("redis_reference: {ops} operations, {seen:?}");
+    assert!(seen.admitted > 500 && seen.rejected > 500 && seen.granted > 100, "{seen:?}");
+    assert!(seen.refunded > 100, "{seen:?}");
+}

@@ -1,7 +1,7 @@
 //! The gateway role: this binary started by a run (`LOADTEST_ROLE=gateway`) as one
 //! simulated gateway with its own agent, so that it can be killed like a real proxy.
-//! It offers its share of the scenario and prints a record per request, and its owner
-//! calls every second, on standard output.
+//! It offers its share of the scenario and prints a record per request (flushed as it
+//! is made), and its owner calls every second, on standard output.
 
 use std::io::Write as _;
 use std::path::PathBuf;
@@ -48,7 +48,12 @@ pub fn main() -> anyhow::Result<()> {
                 loop {
                     tokio::select! {
                         r = rx.recv() => match r {
-                            Some(r) => { let _ = writeln!(out, "{}", r.to_line()); }
+                            // Flushed per line: a killed gateway keeps every record
+                            // it made (a lost second would hide its admissions).
+                            Some(r) => {
+                                let _ = writeln!(out, "{}", r.to_line());
+                                let _ = out.flush();
+                            }
                             None => break,
                         },
                         _ = tick.tick() => {

@@ -14,6 +14,7 @@ pub mod bench;
 pub mod chart;
 pub mod cpu;
 pub mod gateway;
+pub mod judge;
 pub mod model;
 pub mod peers;
 pub mod procs;

@@ -1,12 +1,14 @@
 //! The ideal allowance: the same requests decided one by one, in the order they were
-//! sent, by an exact single-node limiter with the same policy (limiter-core, a manual
-//! clock). What the system admitted is compared with it per tenant.
+//! sent, by the independent reference (`limiter-reference`, which shares no code with
+//! limiter-core) over the chain of levels the policy gives each request. What the
+//! system admitted is compared with it per tenant.
 
 use std::path::Path;
 
 use anyhow::Context as _;
-use limiter_core::hierarchy::Limiter;
-use limiter_core::policy::{NameBounds, Policy, Request};
+use limiter_core::Limit;
+use limiter_core::policy::{Chain, NameBounds, Policy, Request};
+use limiter_reference::{Chains, Spec};
 
 use crate::record::{Kind, Record};
 use crate::target::Names;
@@ -21,6 +23,55 @@ pub fn load_policy(path: &Path) -> anyhow::Result<Policy> {
         std::fs::read_to_string(path).with_context(|| format!("cannot read {}", path.display()))?;
     limiter_core::policy::from_yaml(&text, &path.display().to_string())
         .map_err(|e| anyhow::anyhow!("{e}"))
+}
+
+/// A level's limit as the reference's spec.
+pub fn spec_of(limit: &Limit) -> Spec {
+    match limit {
+        Limit::TokenBucket(b) => Spec::TokenBucket {
+            amount: b.rate().amount().get(),
+            period: b.rate().period().get(),
+            burst: b.burst().get(),
+        },
+        Limit::FixedWindow(w) => {
+            Spec::FixedWindow { limit: w.limit().get(), window: w.window().get() }
+        }
+        Limit::SlidingLog(w) => {
+            Spec::SlidingLog { limit: w.limit().get(), window: w.window().get() }
+        }
+        Limit::SlidingCounter(w) => {
+            Spec::SlidingCounter { limit: w.limit().get(), window: w.window().get() }
+        }
+    }
+}
+
+/// A chain's levels as `(key, spec)` pairs for the reference.
+pub fn levels_of(chain: &Chain<'_>) -> Vec<(String, Spec)> {
+    chain.levels().map(|l| (l.key.to_string(), spec_of(&l.rule.limit))).collect()
+}
+
+/// The chain the policy gives record `r` (`None`: the request is refused outright).
+pub fn chain_of<'p>(
+    policy: &'p Policy,
+    names: &'p Names,
+    r: &Record,
+    envoy_keys: bool,
+    envoy_key: &'p mut Option<String>,
+) -> Option<Chain<'p>> {
+    let key = if envoy_keys {
+        *envoy_key = names.envoy_key(r.key);
+        envoy_key.as_deref()
+    } else {
+        names.key(r.key)
+    };
+    let req = Request {
+        tenant: &names.tenants[r.tenant as usize],
+        route: &names.routes[usize::from(r.route)],
+        key,
+        cost: Some(r.cost),
+        dry_run: false,
+    };
+    policy.resolve(&req, &NameBounds::default()).ok()
 }
 
 /// What the model and the system did for one tenant.
@@ -49,15 +100,17 @@ impl TenantTally {
 
 /// Decisions of the exact model, one per record (unsent records: `false`).
 ///
-/// `envoy_keys` names keys as the server derives them from Envoy descriptors.
+/// `envoy_keys` names keys as the server derives them from Envoy descriptors;
+/// `start_unix` is the run's start on the servers' time line (windows are aligned
+/// on it).
 pub fn decide_all(
     policy: &Policy,
     names: &Names,
     records: &[Record],
     envoy_keys: bool,
+    start_unix: u64,
 ) -> Vec<bool> {
-    let limiter = Limiter::new(usize::MAX >> 1);
-    let bounds = NameBounds::default();
+    let mut reference = Chains::new();
     let mut order: Vec<usize> = (0..records.len()).collect();
     order.sort_by_key(|&i| (records[i].sent, records[i].gateway, i));
     let mut out = vec![false; records.len()];
@@ -66,25 +119,11 @@ pub fn decide_all(
         if r.kind == Kind::Unsent {
             continue;
         }
-        let envoy_key;
-        let key = if envoy_keys {
-            envoy_key = names.envoy_key(r.key);
-            envoy_key.as_deref()
-        } else {
-            names.key(r.key)
-        };
-        let req = Request {
-            tenant: &names.tenants[r.tenant as usize],
-            route: &names.routes[usize::from(r.route)],
-            key,
-            cost: Some(r.cost),
-            dry_run: false,
-        };
+        let mut envoy_key = None;
         // The model's clock is the send time; a server sees a request a little later,
         // the same for every request, so the order and the gaps are what matter.
-        out[i] = policy
-            .resolve(&req, &bounds)
-            .is_ok_and(|chain| limiter.decide(&chain, r.sent).admitted());
+        out[i] = chain_of(policy, names, r, envoy_keys, &mut envoy_key)
+            .is_some_and(|chain| reference.decide(&levels_of(&chain), start_unix + r.sent, r.cost));
     }
     out
 }
@@ -181,7 +220,7 @@ tenants:
         }
         records.push(rec(base + 1_300 * ms, 1, 2, Kind::Unsent));
 
-        let ideal = decide_all(&policy, &names, &records, false);
+        let ideal = decide_all(&policy, &names, &records, false, 0);
         // a: 10 of the 12 at t = 0, then all 5 at t = 0.5 s.
         assert_eq!(ideal[..12].iter().filter(|&&x| x).count(), 10);
         assert!(ideal[12..17].iter().all(|&x| x));

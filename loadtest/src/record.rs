@@ -25,8 +25,10 @@ pub enum Source {
     Remote,
     /// The agent, from its leased balance.
     Local,
-    /// The agent, after asking the owner.
+    /// The agent, after asking the owner, who decided directly.
     Owner,
+    /// The agent, from a lease the owner granted for the request.
+    Granted,
     /// The agent's failure policy: the owner was out of reach.
     Fallback,
 }
@@ -156,6 +158,7 @@ impl Record {
             "r" => Source::Remote,
             "l" => Source::Local,
             "o" => Source::Owner,
+            "g" => Source::Granted,
             "f" => Source::Fallback,
             _ => return None,
         };
@@ -177,6 +180,7 @@ fn source_char(s: Source) -> char {
         Source::Remote => 'r',
         Source::Local => 'l',
         Source::Owner => 'o',
+        Source::Granted => 'g',
         Source::Fallback => 'f',
     }
 }

@@ -11,6 +11,7 @@ use hdrhistogram::Histogram;
 use limiter_core::Reason;
 use serde::Serialize;
 
+use crate::judge::Judgement;
 use crate::model::{self, TenantTally};
 use crate::procs::metric;
 use crate::record::{Kind, LABELS, Record, Source, reason_label};
@@ -58,6 +59,47 @@ impl LeaseSample {
     }
 }
 
+/// Lease totals over every life of every node: a node's counters restart at zero
+/// when it does, so each life's last reading is banked when the next one starts (and
+/// a node is read just before a fault kills it).
+#[derive(Debug, Clone, Default)]
+pub struct LeaseLedger {
+    nodes: BTreeMap<std::net::SocketAddr, (LeaseSample, LeaseSample)>,
+}
+
+impl LeaseLedger {
+    /// Notes a reading of the node at `admin`.
+    pub fn note(&mut self, admin: std::net::SocketAddr, body: &str) {
+        let mut now = LeaseSample::default();
+        now.add(body);
+        let (banked, last) = self.nodes.entry(admin).or_default();
+        if now.granted < last.granted {
+            // A new life: the last one's totals are final.
+            banked.granted += last.granted;
+            banked.returned += last.returned;
+            banked.spent += last.spent;
+            banked.written_off += last.written_off;
+            banked.outstanding += last.outstanding;
+        }
+        *last = now;
+    }
+
+    /// The totals over all lives (`outstanding`: what was out at each life's end).
+    pub fn total(&self) -> LeaseSample {
+        let mut t = LeaseSample::default();
+        for (banked, last) in self.nodes.values() {
+            for s in [banked, last] {
+                t.granted += s.granted;
+                t.returned += s.returned;
+                t.spent += s.spent;
+                t.written_off += s.written_off;
+                t.outstanding += s.outstanding;
+            }
+        }
+        t
+    }
+}
+
 /// Decisions the servers counted (their `limiter_decisions_total`).
 #[derive(Debug, Clone, Copy, Default, Serialize)]
 pub struct ServerCounts {
@@ -92,6 +134,14 @@ pub struct Extras {
     pub crashed: Vec<String>,
     /// The longest lease the policy gives on the routes offered, in seconds.
     pub lease_ttl_s: f64,
+    /// The reference's per-window judgement of the admissions.
+    pub judgement: Judgement,
+    /// Planned arrivals per gateway.
+    pub planned: Vec<u64>,
+    /// Gateways a fault killed.
+    pub killed_gateways: Vec<u16>,
+    /// Lease totals over every node's lives.
+    pub ledger: LeaseSample,
 }
 
 /// A property a chaos run must keep, and whether it did.
@@ -108,8 +158,11 @@ pub struct Invariant {
 /// Totals of a run.
 #[derive(Debug, Clone, Default, Serialize)]
 pub struct Totals {
-    /// Planned arrivals.
+    /// Planned arrivals (the plan's count, not the records').
     pub offered: u64,
+    /// Planned arrivals with no record: the rest of a killed gateway's plan, or
+    /// records lost (of a gateway still running: a bug).
+    pub missing: u64,
     /// Sent.
     pub sent: u64,
     /// Not sent: the gateway had its maximum in flight.
@@ -283,6 +336,8 @@ pub struct Report {
     pub server: ServerCounts,
     /// Nodes that died on their own.
     pub crashed: Vec<String>,
+    /// The reference's per-window judgement of the admissions.
+    pub judgement: Judgement,
     /// Chaos runs: the invariants checked.
     pub invariants: Vec<Invariant>,
 }
@@ -310,7 +365,12 @@ impl Latency {
 #[allow(clippy::cast_precision_loss)]
 pub fn build(s: &Scenario, names: &Names, records: &[Record], ideal: &[bool], x: Extras) -> Report {
     let late_after = crate::run::nanos(s.late_after);
-    let mut totals = Totals { offered: records.len() as u64, ..Default::default() };
+    let planned: u64 = x.planned.iter().sum();
+    let mut totals = Totals {
+        offered: planned.max(records.len() as u64),
+        missing: planned.saturating_sub(records.len() as u64),
+        ..Default::default()
+    };
     // Whole seconds of the plan (a last partial second is a bucket of its own).
     let seconds =
         usize::try_from(crate::run::nanos(s.duration()).div_ceil(SEC)).unwrap_or(0).max(1);
@@ -444,7 +504,7 @@ pub fn build(s: &Scenario, names: &Names, records: &[Record], ideal: &[bool], x:
         .collect();
     let decisions = totals.admitted + totals.rejected;
     let invariants =
-        if s.chaos { invariants(s, records, &tallies, &totals, &service, &x) } else { Vec::new() };
+        if s.chaos { invariants(s, records, &totals, &service, &x) } else { Vec::new() };
     Report {
         scenario: s.name.clone(),
         target: s.target.name().to_owned(),
@@ -464,6 +524,7 @@ pub fn build(s: &Scenario, names: &Names, records: &[Record], ideal: &[bool], x:
         leases: x.samples,
         server: x.server,
         crashed: x.crashed,
+        judgement: x.judgement,
         invariants,
     }
 }
@@ -473,7 +534,6 @@ pub fn build(s: &Scenario, names: &Names, records: &[Record], ideal: &[bool], x:
 fn invariants(
     s: &Scenario,
     records: &[Record],
-    tallies: &[TenantTally],
     totals: &Totals,
     service: &Latency,
     x: &Extras,
@@ -497,55 +557,69 @@ fn invariants(
         holds: x.crashed.is_empty(),
         detail: if x.crashed.is_empty() { "none".to_owned() } else { x.crashed.join("; ") },
     });
-    // Per tenant: what the failure policy admitted for it, plus the units a lease may
-    // still spend after the bucket refilled under it (its sustained rate x the lease
-    // TTL), plus one request.
-    let mut fallback = vec![0u64; tallies.len()];
-    let mut max_cost = 0;
+    // Every planned arrival of a gateway that was not killed has its record.
+    let mut recorded = vec![0u64; x.planned.len()];
     for r in records {
-        max_cost = max_cost.max(r.cost);
-        if r.kind == Kind::Admitted && r.source == Source::Fallback {
-            fallback[r.tenant as usize] += r.cost;
+        if let Some(n) = recorded.get_mut(usize::from(r.gateway)) {
+            *n += 1;
         }
     }
-    let secs = s.duration().as_secs_f64().max(1e-9);
-    let mut worst = (0.0f64, 0u64, 0u64, 0usize);
-    let mut over = 0;
-    for (i, t) in tallies.iter().enumerate() {
-        let bound = fallback[i] + (t.ideal as f64 / secs * x.lease_ttl_s).ceil() as u64 + max_cost;
-        if t.overshoot() > bound {
-            over += 1;
-        }
-        let share = t.overshoot() as f64 / bound.max(1) as f64;
-        if share >= worst.0 {
-            worst = (share, t.overshoot(), bound, i);
-        }
-    }
+    let short: Vec<String> = x
+        .planned
+        .iter()
+        .zip(&recorded)
+        .enumerate()
+        .filter(|(g, (p, r))| p != r && !x.killed_gateways.contains(&(*g as u16)))
+        .map(|(g, (p, r))| format!("gateway{g}: {r} records of {p} planned"))
+        .collect();
     out.push(Invariant {
-        name: "per-tenant overshoot within its bound (fail-open admissions + rate x lease TTL + one request)".to_owned(),
-        holds: over == 0,
-        detail: format!(
-            "{over} of {} tenants over; closest: tenant #{} with {} units over against a bound of {}",
-            tallies.len(),
-            worst.3,
-            worst.1,
-            worst.2
-        ),
-    });
-    let lost = x.samples.last().map(|l| {
-        (l.granted - l.spent - l.returned - l.written_off - l.outstanding, l.outstanding, *l)
-    });
-    out.push(Invariant {
-        name:
-            "no lease units lost once healthy (granted = spent + returned + written off, none out)"
-                .to_owned(),
-        holds: lost.is_some_and(|(d, o, _)| d.abs() < 0.5 && o < 0.5),
-        detail: lost.map_or("no lease figures".to_owned(), |(_, _, l)| {
+        name: "every planned arrival of a gateway still running has its record".to_owned(),
+        holds: short.is_empty(),
+        detail: if short.is_empty() {
             format!(
-                "granted {:.0} = spent {:.0} + returned {:.0} + written off {:.0} + out {:.0}",
-                l.granted, l.spent, l.returned, l.written_off, l.outstanding
+                "{} planned, {} with no record (killed gateways)",
+                totals.offered, totals.missing
             )
-        }),
+        } else {
+            short.join("; ")
+        },
+    });
+    let j = &x.judgement;
+    out.push(Invariant {
+        name: "exact part: no level over its limit in any window (the reference, zero tolerance)"
+            .to_owned(),
+        holds: j.exact.overshoot == 0 && j.exact.levels > 0,
+        detail: j.exact.describe(),
+    });
+    out.push(Invariant {
+        name: "fail-open part: each gateway within each route's emergency ceiling".to_owned(),
+        holds: j.fail_open.overshoot == 0,
+        detail: j.fail_open.describe(),
+    });
+    // Leases end to end: what the gateways spent from leases (their own records, kept
+    // when a gateway is killed) against what the owners booked over all their lives.
+    let spent_locally: u64 = records
+        .iter()
+        .filter(|r| r.kind == Kind::Admitted && matches!(r.source, Source::Local | Source::Granted))
+        .map(|r| r.cost)
+        .sum();
+    let l = &x.ledger;
+    let covered = l.spent + l.written_off + l.outstanding;
+    let out_now = x.samples.last().map_or(f64::NAN, |s| s.outstanding);
+    out.push(Invariant {
+        name: "leases reconciled: owners booked as spent no more than gateways spent, gateways \
+               spent no more than owners granted and did not get back, none out once healthy"
+            .to_owned(),
+        holds: l.spent <= spent_locally as f64 + 0.5
+            && spent_locally as f64 <= covered + 0.5
+            && (l.granted - l.returned - covered).abs() < 0.5
+            && out_now < 0.5,
+        detail: format!(
+            "gateways spent {spent_locally} from leases; owners granted {:.0}, got back {:.0}, \
+             booked spent {:.0}, wrote off {:.0}, out at their ends {:.0} (over every life of \
+             every node); out now {out_now:.0}",
+            l.granted, l.returned, l.spent, l.written_off, l.outstanding
+        ),
     });
     out
 }
@@ -583,6 +657,7 @@ fn source_name(s: Source) -> &'static str {
         Source::Remote => "remote",
         Source::Local => "local",
         Source::Owner => "owner",
+        Source::Granted => "granted",
         Source::Fallback => "fallback",
     }
 }
@@ -599,13 +674,17 @@ impl Report {
             "## {} ({} target, {} gateways, {:.0} s, {} cores)\n",
             self.scenario, self.target, self.gateways, self.duration_s, self.cores
         );
-        let _ = writeln!(m, "| offered | sent | unsent | late | admitted | rejected | errors |");
-        let _ = writeln!(m, "| --- | --- | --- | --- | --- | --- | --- |");
         let _ = writeln!(
             m,
-            "| {} ({:.0}/s) | {} | {} | {} | {} ({:.0}/s) | {} | {} |\n",
+            "| planned | no record | sent | unsent | late | admitted | rejected | errors |"
+        );
+        let _ = writeln!(m, "| --- | --- | --- | --- | --- | --- | --- | --- |");
+        let _ = writeln!(
+            m,
+            "| {} ({:.0}/s) | {} | {} | {} | {} | {} ({:.0}/s) | {} | {} |\n",
             t.offered,
             t.offered as f64 / secs,
+            t.missing,
             t.sent,
             t.unsent,
             t.late,
@@ -633,6 +712,18 @@ impl Report {
         if !t.admitted_by_source.is_empty() {
             let _ = writeln!(m, "Admitted by source: {}\n", kv(&t.admitted_by_source));
         }
+        let j = &self.judgement;
+        let _ = writeln!(
+            m,
+            "Judged per window by the reference ({}): exact part {}; fail-open part {}\n",
+            if j.hold_ns == 0 {
+                "each admission placed between its send and its answer".to_owned()
+            } else {
+                format!("leases and slices of up to {:.1} s allowed for", j.hold_ns as f64 / 1e9)
+            },
+            j.exact.describe(),
+            j.fail_open.describe()
+        );
         let a = &self.accuracy;
         let _ = writeln!(
             m,

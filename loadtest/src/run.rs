@@ -122,6 +122,8 @@ pub fn nanos(d: Duration) -> u64 {
 struct GatewayProc {
     child: Option<Child>,
     owner_calls: Arc<AtomicU64>,
+    /// The first panic its standard error showed.
+    panicked: Arc<Mutex<Option<String>>>,
     /// Killed by a fault (its end is not a crash).
     killed: bool,
     /// How it ended on its own.
@@ -192,7 +194,8 @@ pub async fn run(s: &Scenario, opts: Options) -> anyhow::Result<Report> {
 
     // Gateways. Each process draws its own plan; the run draws them too, to count.
     let plans: Vec<Vec<Planned>> = (0..s.gateways).map(|g| workload::plan(s, g)).collect();
-    let total: u64 = plans.iter().map(|p| p.len() as u64).sum();
+    let planned: Vec<u64> = plans.iter().map(|p| p.len() as u64).collect();
+    let total: u64 = planned.iter().sum();
     let mut tasks = Vec::new();
     let mut in_process = Vec::new();
     let gateway_procs: Arc<Mutex<Vec<GatewayProc>>> = Arc::new(Mutex::new(Vec::new()));
@@ -218,9 +221,12 @@ pub async fn run(s: &Scenario, opts: Options) -> anyhow::Result<Report> {
 
     // Faults.
     let events = Arc::new(Mutex::new(Vec::<FaultEvent>::new()));
+    let ledger = Arc::new(Mutex::new(report::LeaseLedger::default()));
+    let early_crashes = Arc::new(Mutex::new(Vec::<String>::new()));
     for f in s.faults.clone() {
         let (nodes, gateway_procs, relays, redis, events) =
             (nodes.clone(), gateway_procs.clone(), relays.clone(), redis.clone(), events.clone());
+        let (early_crashes, ledger) = (early_crashes.clone(), ledger.clone());
         let (servers, gateways, processes) = (s.servers.clone(), s.gateways, s.gateway_processes);
         tasks.push(tokio::spawn(async move {
             tokio::time::sleep_until(start + f.at).await;
@@ -228,9 +234,26 @@ pub async fn run(s: &Scenario, opts: Options) -> anyhow::Result<Report> {
             let target =
                 |t: &str| crate::scenario::target_of(t, &servers, gateways, processes).ok();
             let mut done = true;
+            // A node's lease totals die with it: read them just before the kill.
+            if let Action::Kill(t) = &f.action
+                && let Some(FaultTarget::Node(i)) = target(t)
+            {
+                let admin = nodes.lock()[i].admin;
+                if let Some((_, body)) = procs::http_get(admin, "/metrics").await {
+                    ledger.lock().note(admin, &body);
+                }
+            }
             match &f.action {
                 Action::Kill(t) => match target(t) {
-                    Some(FaultTarget::Node(i)) => nodes.lock()[i].kill(),
+                    Some(FaultTarget::Node(i)) => {
+                        let mut nodes = nodes.lock();
+                        // A node that already died on its own crashed: the kill must
+                        // not hide it.
+                        if let Some(st) = nodes[i].exited() {
+                            early_crashes.lock().push(format!("{t} exited on its own: {st}"));
+                        }
+                        nodes[i].kill();
+                    }
                     Some(FaultTarget::Gateway(i)) => {
                         let mut procs = gateway_procs.lock();
                         procs[i].killed = true;
@@ -268,7 +291,7 @@ pub async fn run(s: &Scenario, opts: Options) -> anyhow::Result<Report> {
     // Lease fates, sampled from the servers' metrics.
     let samples = Arc::new(Mutex::new(Vec::<LeaseSample>::new()));
     let sampler = {
-        let (nodes, samples) = (nodes.clone(), samples.clone());
+        let (nodes, samples, ledger) = (nodes.clone(), samples.clone(), ledger.clone());
         tokio::spawn(async move {
             loop {
                 let running =
@@ -279,6 +302,7 @@ pub async fn run(s: &Scenario, opts: Options) -> anyhow::Result<Report> {
                 for a in admins {
                     if let Some((_, body)) = procs::http_get(a, "/metrics").await {
                         sample.add(&body);
+                        ledger.lock().note(a, &body);
                     }
                 }
                 samples.lock().push(sample);
@@ -364,6 +388,7 @@ pub async fn run(s: &Scenario, opts: Options) -> anyhow::Result<Report> {
         b.finish_and_clear();
     }
     let mut crashed = hung;
+    crashed.extend(std::mem::take(&mut *early_crashes.lock()));
     let mut live_admins: Vec<SocketAddr> = external_admin.into_iter().collect();
     for n in nodes.lock().iter_mut() {
         if let Some(st) = n.exited() {
@@ -375,12 +400,19 @@ pub async fn run(s: &Scenario, opts: Options) -> anyhow::Result<Report> {
             crashed.push(format!("{} panicked: {p}", n.id));
         }
     }
+    let mut killed_gateways = Vec::new();
     for (g, p) in gateway_procs.lock().iter().enumerate() {
         match p.status {
             Some(st) if !st.success() && !p.killed => {
                 crashed.push(format!("gateway{g} ended with {st}"));
             }
             _ => {}
+        }
+        if let Some(line) = p.panicked.lock().clone() {
+            crashed.push(format!("gateway{g} panicked: {line}"));
+        }
+        if p.killed {
+            killed_gateways.push(u16::try_from(g).unwrap_or(u16::MAX));
         }
     }
     let mut server = report::ServerCounts::default();
@@ -389,13 +421,28 @@ pub async fn run(s: &Scenario, opts: Options) -> anyhow::Result<Report> {
         if let Some((_, body)) = procs::http_get(a, "/metrics").await {
             server.add(&body);
             final_sample.add(&body);
+            ledger.lock().note(a, &body);
         }
     }
     samples.lock().push(final_sample);
     #[allow(clippy::cast_precision_loss)]
     let lease_ttl_s =
         names.routes.iter().map(|r| policy.route(r).lease.ttl).max().unwrap_or(0) as f64 / 1e9;
-    let ideal = crate::model::decide_all(&policy, &names, &records, s.target == TargetKind::Envoy);
+    let envoy = s.target == TargetKind::Envoy;
+    let ideal = crate::model::decide_all(&policy, &names, &records, envoy, start_unix);
+    // Leases and slices may have decided unless one exact server did it all.
+    let exact_server = s.target != TargetKind::Agent
+        && match &s.servers {
+            Servers::Own(o) => o.nodes == 1 && o.store == Store::Memory,
+            Servers::External { .. } => true,
+        };
+    let hold = if exact_server {
+        0
+    } else {
+        names.routes.iter().map(|r| policy.route(r).lease.ttl).max().unwrap_or(0)
+    };
+    let judgement = crate::judge::judge_run(&policy, &names, &records, envoy, start_unix, hold);
+    let ledger = ledger.lock().total();
     let events = std::mem::take(&mut *events.lock());
     let samples = std::mem::take(&mut *samples.lock());
     drop(redis);
@@ -404,7 +451,18 @@ pub async fn run(s: &Scenario, opts: Options) -> anyhow::Result<Report> {
         &names,
         &records,
         &ideal,
-        report::Extras { owner_calls, events, samples, server, crashed, lease_ttl_s },
+        report::Extras {
+            owner_calls,
+            events,
+            samples,
+            server,
+            crashed,
+            lease_ttl_s,
+            judgement,
+            planned,
+            killed_gateways,
+            ledger,
+        },
     ))
 }
 
@@ -424,9 +482,23 @@ fn spawn_gateway(
         .env("LOADTEST_START_UNIX", start_unix.to_string())
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
-        .stderr(Stdio::inherit())
+        .stderr(Stdio::piped())
         .spawn()
         .context("starting a gateway process")?;
+    // Its log goes on to ours; a panic in it is a crash even when the process lives on.
+    let panicked: Arc<Mutex<Option<String>>> = Arc::default();
+    if let Some(err) = child.stderr.take() {
+        let panicked = panicked.clone();
+        std::thread::spawn(move || {
+            for line in BufReader::new(err).lines() {
+                let Ok(line) = line else { break };
+                if line.contains("panicked at") {
+                    panicked.lock().get_or_insert_with(|| line.clone());
+                }
+                eprintln!("{line}");
+            }
+        });
+    }
     let out = child.stdout.take().context("gateway stdout")?;
     let owner_calls = Arc::new(AtomicU64::new(0));
     let calls = owner_calls.clone();
@@ -440,5 +512,5 @@ fn spawn_gateway(
             }
         }
     });
-    Ok(GatewayProc { child: Some(child), owner_calls, killed: false, status: None })
+    Ok(GatewayProc { child: Some(child), owner_calls, panicked, killed: false, status: None })
 }

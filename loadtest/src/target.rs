@@ -147,6 +147,7 @@ impl Target {
                         let source = match o.source {
                             limiter_gateway_agent::Source::Local => Source::Local,
                             limiter_gateway_agent::Source::Owner => Source::Owner,
+                            limiter_gateway_agent::Source::Granted => Source::Granted,
                             limiter_gateway_agent::Source::Fallback => Source::Fallback,
                         };
                         if o.allowed {

@@ -8,8 +8,11 @@ use limiter_core::{Reason, Scope};
 pub enum Source {
     /// From the local leased balance.
     Local,
-    /// By the owner (a grant for a waiting request, or a direct decision).
+    /// By the owner, directly (exact mode, or too little left to lease).
     Owner,
+    /// From a lease the owner granted for this request (its units came out of the
+    /// grant; the rest is the new local balance).
+    Granted,
     /// By the route's failure policy (owner unreachable).
     Fallback,
 }

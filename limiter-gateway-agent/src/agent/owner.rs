@@ -282,7 +282,7 @@ impl Inner {
                 }
                 if g.units >= cost && g.units > 0 {
                     self.install(slot, &mut st, g, now, cost);
-                    Ok(Outcome { source: Source::Owner, ..Outcome::local(g.units - cost) })
+                    Ok(Outcome { source: Source::Granted, ..Outcome::local(g.units - cost) })
                 } else {
                     self.install(slot, &mut st, g, now, 0);
                     Ok(g.decision.as_ref().map_or_else(

@@ -1,5 +1,6 @@
-//! `ShouldAllow` and `ShouldAllowBatch` from the wire: decoding, validation and the
-//! decision. Whatever the bytes, an answer or a gRPC error, never a panic.
+//! `ShouldAllow` and `ShouldAllowBatch` from the wire, on a fresh server per input:
+//! decoding, validation and the decision. Whatever the bytes, an answer consistent
+//! with the request (`common.rs`) or a short gRPC error, never a panic.
 #![no_main]
 
 #[path = "common.rs"]
@@ -7,19 +8,18 @@ mod common;
 
 use libfuzzer_sys::fuzz_target;
 use limiter_proto::limiter::v1 as pb;
-use limiter_proto::limiter::v1::rate_limiter_server::RateLimiter;
 use prost::Message;
 
 fuzz_target!(|data: &[u8]| {
     let Some((&which, bytes)) = data.split_first() else { return };
-    let s = common::services();
-    s.runtime.block_on(async {
+    let s = common::fresh();
+    common::block_on(async {
         if which % 2 == 0 {
             if let Ok(req) = pb::ShouldAllowRequest::decode(bytes) {
-                let _ = s.native.should_allow(tonic::Request::new(req)).await;
+                let _ = common::should_allow(&s, req).await;
             }
         } else if let Ok(req) = pb::ShouldAllowBatchRequest::decode(bytes) {
-            let _ = s.native.should_allow_batch(tonic::Request::new(req)).await;
+            common::should_allow_batch(&s, req).await;
         }
     });
 });

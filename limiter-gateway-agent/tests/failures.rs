@@ -50,8 +50,8 @@ async fn a_dropped_agents_lease_is_written_off_and_never_granted_twice() {
     }
     assert!(again >= 10, "the survivor gets budget back as the bucket refills: {again}");
     println!(
-        "dropped agent: spent {spent}, its lease of {} units written off at its end; survivor admitted {burst} during the lease, {again} after",
-        held.outstanding
+        "dropped agent: spent {spent}, {} units out when it was dropped, {} written off by the lease's end ({} returned); survivor admitted {burst} during the lease, {again} after",
+        held.outstanding, after.written_off, after.returned
     );
 }
 

@@ -6,8 +6,11 @@
 //!
 //! Memory is bounded by `max_keys`. Entries whose state is back to a full allowance
 //! ("idle") carry no information and are dropped first, losslessly; only when a
-//! shard is full of live entries are the least recently used eighth of them evicted
-//! (counted apart, since forgetting live usage can admit more than the limit).
+//! shard is full of live entries is an eighth of them evicted (counted apart, since
+//! forgetting live usage can admit more than the limit): the least used, then the
+//! least recently used. A flood of keys seen once thus evicts its own kind before a
+//! counter in steady use; each eviction round takes one use off every survivor, so a
+//! counter that stops being used ages out within as many rounds as it had uses.
 //!
 //! Optionally, the counters of the key scope are also capped per tenant
 //! ([`StateTable::with_keys_per_tenant`]): one tenant's flood of distinct keys then
@@ -38,16 +41,40 @@ pub struct Slot {
     /// The limit the state was built for; a reload that changes it resets the state.
     /// Shared with the policy, so thousands of keys of one rule hold one copy.
     pub limit: Arc<Limit>,
-    /// Last time a decision touched this slot.
-    pub last_seen: Nanos,
+    /// When a decision last touched this slot (nanoseconds, the low bits cleared) and,
+    /// in those bits, how many decisions touched it, less one per eviction round it
+    /// survived (at most [`USES`]): one word, so a slot stays 80 bytes.
+    touched: u64,
     /// The algorithm state.
     pub state: LimitState,
 }
+
+/// The low bits of [`Slot::touched`] that count uses.
+const USES: u64 = 63;
 
 impl Slot {
     /// The key this slot counts for.
     pub fn key(&self) -> &LimitKey {
         &self.key
+    }
+
+    /// When a decision last touched this slot (to 64 ns).
+    pub fn last_seen(&self) -> Nanos {
+        self.touched & !USES
+    }
+
+    fn uses(&self) -> u64 {
+        self.touched & USES
+    }
+
+    fn touch(&mut self, now: Nanos) {
+        let uses = (self.uses() + 1).min(USES);
+        self.touched = self.last_seen().max(now & !USES) | uses;
+    }
+
+    /// One use less: a counter that stops being used ages out.
+    fn age(&mut self) {
+        self.touched -= u64::from(self.uses() > 0);
     }
 }
 
@@ -365,23 +392,24 @@ impl StateTable {
         dropped
     }
 
-    /// Makes room in a full shard: idle entries first, then the least recently used
-    /// eighth of the live ones.
+    /// Makes room in a full shard: idle entries first, then an eighth of the live
+    /// ones, the least used and then the least recently used.
     fn make_room(&self, map: &mut HashTable<Slot>, now: Nanos) {
         if self.drop_idle(map, now) > 0 {
             return;
         }
-        let mut seen: Vec<Nanos> = map.iter().map(|s| s.last_seen).collect();
-        let cut = (seen.len() / 8).max(1);
-        let (_, threshold, _) = seen.select_nth_unstable(cut - 1);
+        let mut rank: Vec<(u64, Nanos)> = map.iter().map(|s| (s.uses(), s.last_seen())).collect();
+        let cut = (rank.len() / 8).max(1);
+        let (_, threshold, _) = rank.select_nth_unstable(cut - 1);
         let threshold = *threshold;
         let mut budget = cut;
         map.retain(|s| {
-            if budget > 0 && s.last_seen <= threshold {
+            if budget > 0 && (s.uses(), s.last_seen()) <= threshold {
                 budget -= 1;
                 self.forget(s);
                 false
             } else {
+                s.age();
                 true
             }
         });
@@ -435,12 +463,12 @@ impl Locked<'_, '_> {
         let key = self.keys[i];
         let map = self.guards[usize::from(self.guard_of[i])].as_mut().expect("guard locked");
         let s = map.find_mut(self.hashes[i], |s| key.matches(&s.key))?;
-        s.last_seen = s.last_seen.max(now);
+        s.touch(now);
         (*s.limit == *limit).then_some(&s.state)
     }
 
     /// The slot of key `i`, created (or reset, if built for another limit) as needed,
-    /// with `last_seen` set to `now`.
+    /// marked as used at `now`.
     #[inline]
     pub fn slot_mut(&mut self, i: usize, limit: &Arc<Limit>, now: Nanos) -> &mut Slot {
         let key = self.keys[i];
@@ -454,7 +482,7 @@ impl Locked<'_, '_> {
                 let fresh = Slot {
                     key: key.to_owned_key(),
                     limit: Arc::clone(limit),
-                    last_seen: now,
+                    touched: now & !USES,
                     state: LimitState::Fresh,
                 };
                 table.keys.fetch_add(1, Ordering::Relaxed);
@@ -474,7 +502,7 @@ impl Locked<'_, '_> {
             slot.limit = Arc::clone(limit);
             slot.state = LimitState::Fresh;
         }
-        slot.last_seen = slot.last_seen.max(now);
+        slot.touch(now);
         slot
     }
 }
@@ -512,6 +540,36 @@ mod tests {
         let dropped = t.sweep_idle(5_000);
         assert_eq!(dropped as u64, s.keys);
         assert_eq!(t.stats().keys, 0);
+    }
+
+    #[test]
+    fn a_flood_of_keys_seen_once_evicts_its_own_kind_before_a_counter_in_use() {
+        let t = StateTable::new(64, 1);
+        // Long windows: nothing is idle, every eviction is of a live counter.
+        let limit = Arc::new(Limit::FixedWindow(FixedWindow::new(
+            NonZeroU64::new(10).unwrap(),
+            NonZeroU64::new(1_000_000).unwrap(),
+        )));
+        let charge = |name: &str, now: u64| {
+            let keys = [LimitKeyRef::new(Scope::Key, "t", "/r", name)];
+            let mut l = t.lock(&keys);
+            let slot = l.slot_mut(0, &limit, now);
+            limit.charge(&mut slot.state, now, 1);
+        };
+        // A counter in use (40 decisions), then 300 new keys, each seen once, and the
+        // counter not touched again: it is the least recently used from the start.
+        for n in 0..40 {
+            charge("busy", n);
+        }
+        for n in 0..300 {
+            charge(&format!("flood{n}"), 100 + n);
+        }
+        let keys = [LimitKeyRef::new(Scope::Key, "t", "/r", "busy")];
+        let l = t.lock(&keys);
+        let state = l.get(0, &limit).expect("the busy counter survived the flood");
+        assert_eq!(limit.remaining(state, 500), 0, "and kept its count");
+        drop(l);
+        assert!(t.stats().evicted_live >= 200, "{:?}", t.stats());
     }
 
     #[test]

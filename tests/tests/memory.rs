@@ -160,6 +160,15 @@ async fn a_million_tenants_stay_under_the_cap_and_leave_the_others_alone() {
         before[0], before[1], before[2], during[0], during[1], during[2]
     );
     assert_eq!(flooded, FLOOD as u64, "every flood request is a first one: admitted");
+    // The flood shares the two cores with them, so the legitimate tenants wait longer
+    // while it runs, but within 40 ms at p99 (40x a floor of 1 ms): before batches were
+    // decided in parts, p99 went to 125 ms; since, 14-15 ms.
+    assert!(
+        during[1] <= 40.0 * before[1].max(1_000.0),
+        "legitimate p99 {:.0} µs during the flood against {:.0} µs before",
+        during[1],
+        before[1]
+    );
 
     // The store holds at most its cap, and evicted the rest.
     assert!(server.metric("limiter_store_keys", &[]).await <= CAP as f64);

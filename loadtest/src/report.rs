@@ -290,8 +290,13 @@ pub struct FaultReport {
     pub admitted_units: u64,
     /// Units the exact model admits in it.
     pub ideal_units: u64,
-    /// Units admitted beyond each tenant's allowance in it, summed.
+    /// Units admitted beyond each tenant's ideal replay in it, summed: how far the run
+    /// strayed from a fault-free replay, not a limit check (a tenant refused during
+    /// a fault has budget left for later).
     pub overshoot_units: u64,
+    /// Units over a limit in the seconds it touches, as the reference judged them
+    /// (exact part and fail-open part): the limit check.
+    pub judged_over_units: u64,
     /// Units of allowance rejected in it, summed.
     pub false_rejected_units: u64,
     /// Requests decided by the failure policy in it (of the faulted gateway, for a
@@ -497,6 +502,14 @@ pub fn build(s: &Scenario, names: &Names, records: &[Record], ideal: &[bool], x:
                 admitted_units: t.iter().map(|x| x.admitted).sum(),
                 ideal_units: t.iter().map(|x| x.ideal).sum(),
                 overshoot_units: t.iter().map(TenantTally::overshoot).sum(),
+                judged_over_units: [&x.judgement.exact, &x.judgement.fail_open]
+                    .iter()
+                    .flat_map(|p| &p.by_second)
+                    .filter(|&&(sec, _)| {
+                        (sec + 1) as f64 > from.as_secs_f64() && (sec as f64) < to.as_secs_f64()
+                    })
+                    .map(|&(_, u)| u)
+                    .sum(),
                 false_rejected_units: t.iter().map(TenantTally::false_rejections).sum(),
                 fallback: (fb(Kind::Admitted), fb(Kind::Rejected)),
             }
@@ -830,12 +843,12 @@ impl Report {
         if !self.faults.is_empty() {
             let _ = writeln!(
                 m,
-                "| fault | window (s) | admitted units | ideal units | overshoot | false rejections | fallback admitted / rejected |\n| --- | --- | --- | --- | --- | --- | --- |"
+                "| fault | window (s) | admitted units | ideal units | over the ideal replay | under it | over a limit (judged) | fallback admitted / rejected |\n| --- | --- | --- | --- | --- | --- | --- | --- |"
             );
             for f in &self.faults {
                 let _ = writeln!(
                     m,
-                    "| {}{} | {:.1}-{:.1} | {} | {} | {} | {} | {} / {} |",
+                    "| {}{} | {:.1}-{:.1} | {} | {} | {} | {} | {} | {} / {} |",
                     f.what,
                     if f.done { "" } else { " (not done)" },
                     f.window.0,
@@ -844,6 +857,7 @@ impl Report {
                     f.ideal_units,
                     f.overshoot_units,
                     f.false_rejected_units,
+                    f.judged_over_units,
                     f.fallback.0,
                     f.fallback.1
                 );

@@ -2,6 +2,10 @@
 //! schedules of decisions, unchecked charges, grants and refunds at Unix-scale times,
 //! every answer compared at every step, and `retry_after` checked on a clone of the
 //! state (still refused one nanosecond before it, admitted at it).
+//!
+//! Two drivers share the comparison: proptest (a new random seed each run, shrinking
+//! a failure to a minimal schedule, or `PROPTEST_RNG_SEED`), and a seeded loop that
+//! always runs a fixed seed and a random one, printed (`REFERENCE_SEED` replays it).
 
 use std::num::NonZeroU64;
 
@@ -9,6 +13,7 @@ use limiter_core::algorithm::{
     Algorithm, Check, FixedWindow, SlidingCounter, SlidingLog, TokenBucket,
 };
 use limiter_core::rate::Rate;
+use limiter_reference::rng::{Rng, seeds};
 use limiter_reference::{Level, Spec};
 use proptest::prelude::*;
 
@@ -177,5 +182,81 @@ proptest! {
     ) {
         let sc = SlidingCounter::new(nz(limit), nz(window));
         compare(&sc, Spec::SlidingCounter { limit, window }, UNIX_NOW + offset, &ops, probe)?;
+    }
+}
+
+/// A schedule drawn from `rng`, with the same shape as the proptest strategy's.
+fn drawn(rng: &mut Rng, window: u64, cap: u64) -> Vec<Op> {
+    (0..rng.range(1, 120))
+        .map(|_| match rng.range(0, 15) {
+            0..=3 => Op::Wait(rng.range(0, window / 3)),
+            4 => Op::Wait(rng.range(0, 3 * window)),
+            5..=10 => Op::Take(rng.range(1, cap)),
+            11 => Op::Charge(rng.range(1, 3 * cap)),
+            12 | 13 => Op::Grant { max: rng.range(1, cap), hold: rng.range(0, window / 2) },
+            _ => Op::Refund {
+                grant: usize::try_from(rng.range(0, 7)).unwrap(),
+                units: rng.range(1, cap),
+            },
+        })
+        .collect()
+}
+
+fn drawn_window(rng: &mut Rng) -> u64 {
+    match rng.range(0, 2) {
+        0 => rng.range(1, 1_999),
+        1 => rng.range(1_000_000, 2_999_999_999),
+        _ => 60_000_000_000,
+    }
+}
+
+#[test]
+fn every_algorithm_matches_the_reference_on_seeded_schedules() {
+    for seed in seeds(18) {
+        eprintln!("reference: seed {seed} (replay: REFERENCE_SEED={seed})");
+        let mut rng = Rng::new(seed);
+        for case in 0..400 {
+            let start = UNIX_NOW + rng.range(0, u64::from(u32::MAX));
+            let limit = rng.range(1, 39);
+            let probe = rng.range(1, 39);
+            let window = drawn_window(&mut rng);
+            let r = match case % 4 {
+                0 => {
+                    let amount = rng.range(1, 999);
+                    let period = if rng.chance(50) {
+                        rng.range(1, 4_999)
+                    } else {
+                        rng.range(1_000_000, 2_999_999_999)
+                    };
+                    let rate = Rate::try_new(amount, period).unwrap();
+                    let tb = TokenBucket::new(rate, nz(limit));
+                    let spec = Spec::TokenBucket {
+                        amount: rate.amount().get(),
+                        period: rate.period().get(),
+                        burst: limit,
+                    };
+                    let ops = drawn(&mut rng, period.max(limit * period / amount), limit);
+                    compare(&tb, spec, start, &ops, probe)
+                }
+                1 => {
+                    let ops = drawn(&mut rng, window, limit);
+                    let fw = FixedWindow::new(nz(limit), nz(window));
+                    compare(&fw, Spec::FixedWindow { limit, window }, start, &ops, probe)
+                }
+                2 => {
+                    let ops = drawn(&mut rng, window, limit);
+                    let sl = SlidingLog::new(nz(limit), nz(window));
+                    compare(&sl, Spec::SlidingLog { limit, window }, start, &ops, probe)
+                }
+                _ => {
+                    let ops = drawn(&mut rng, window, limit);
+                    let sc = SlidingCounter::new(nz(limit), nz(window));
+                    compare(&sc, Spec::SlidingCounter { limit, window }, start, &ops, probe)
+                }
+            };
+            if let Err(e) = r {
+                panic!("seed {seed}, case {case}: {e}");
+            }
+        }
     }
 }

@@ -740,7 +740,7 @@ impl Report {
         let a = &self.accuracy;
         let _ = writeln!(
             m,
-            "Accuracy against the exact model: ideal {} units, admitted {}, overshoot {} ({:.2}%), false rejections {} ({:.2}%)\n",
+            "Against a fault-free replay by the reference: ideal {} units, admitted {}, overshoot {} ({:.2}%), false rejections {} ({:.2}%)\n",
             a.ideal_units,
             a.admitted_units,
             a.overshoot_units,

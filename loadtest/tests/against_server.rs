@@ -92,7 +92,8 @@ async fn a_run_that_starts_its_server_reports_its_counts() {
     assert_eq!(counted, (r.server.allowed, r.server.rejected));
     assert!(r.crashed.is_empty());
     let md = r.markdown();
-    assert!(md.contains("Accuracy against the exact model"), "{md}");
+    assert!(md.contains("Against a fault-free replay by the reference"), "{md}");
+    assert!(md.contains("Judged per window by the reference"), "{md}");
     let svg = loadtest::chart::run_chart(&r);
     assert!(svg.starts_with("<svg") && svg.contains("polyline"), "{svg}");
 }

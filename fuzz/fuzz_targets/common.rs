@@ -169,6 +169,20 @@ pub(crate) async fn should_allow(
     got.map(|g| g.get_ref().allowed).map_err(|e| e.code())
 }
 
+/// One input of the `should_allow` target: its first byte picks a single request
+/// (even) or a batch (odd), the rest is the message.
+pub(crate) async fn should_allow_input(s: &Services, data: &[u8]) {
+    use prost::Message as _;
+    let Some((&which, bytes)) = data.split_first() else { return };
+    if which % 2 == 0 {
+        if let Ok(req) = pb::ShouldAllowRequest::decode(bytes) {
+            let _ = should_allow(s, req).await;
+        }
+    } else if let Ok(req) = pb::ShouldAllowBatchRequest::decode(bytes) {
+        should_allow_batch(s, req).await;
+    }
+}
+
 /// `ShouldAllowBatch`: one answer per request, each consistent with its request.
 pub(crate) async fn should_allow_batch(s: &Services, req: pb::ShouldAllowBatchRequest) {
     match s.native.should_allow_batch(tonic::Request::new(req.clone())).await {

@@ -85,17 +85,7 @@ fn every_answer_is_consistent_with_its_request() {
         for bytes in seed_files("should_allow") {
             for i in 0..60 {
                 let data = if i == 0 { bytes.clone() } else { mutate(&mut rng, &bytes) };
-                let Some((&which, body)) = data.split_first() else { continue };
-                let s = common::fresh();
-                common::block_on(async {
-                    if which % 2 == 0 {
-                        if let Ok(req) = pb::ShouldAllowRequest::decode(body) {
-                            let _ = common::should_allow(&s, req).await;
-                        }
-                    } else if let Ok(req) = pb::ShouldAllowBatchRequest::decode(body) {
-                        common::should_allow_batch(&s, req).await;
-                    }
-                });
+                common::block_on(common::should_allow_input(&common::fresh(), &data));
                 inputs += 1;
             }
         }

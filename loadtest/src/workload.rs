@@ -5,23 +5,20 @@ use std::time::Duration;
 
 use crate::scenario::{Arrivals, Scenario, Skew};
 
-/// SplitMix64: small, fast, and good enough for load shapes.
+/// The scenario's seeded generator: SplitMix64, the one the reference's randomised
+/// tests use (`limiter_reference::rng`), started from a scenario's seed.
 #[derive(Debug, Clone)]
-pub struct Rng(u64);
+pub struct Rng(limiter_reference::rng::Rng);
 
 impl Rng {
     /// A generator from a seed.
     pub fn new(seed: u64) -> Self {
-        Self(seed ^ 0x5851_F42D_4C95_7F2D)
+        Self(limiter_reference::rng::Rng::new(seed ^ 0x5851_F42D_4C95_7F2D))
     }
 
     /// The next 64 random bits.
     pub fn next_u64(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
+        self.0.next_u64()
     }
 
     /// Uniform in [0, 1).

@@ -3,6 +3,17 @@
 //! grants and refunds, at Unix-scale times passed to the scripts (microseconds, the
 //! scripts' unit), every answer compared. Runs a fixed seed and a random one (or
 //! `REFERENCE_SEED`), each printed, so a failure can be replayed.
+//!
+//! Redis expires keys in real time, from TTLs the scripts compute off the time they
+//! are given (plus a millisecond). So that a key never vanishes while the schedule's
+//! time still needs it: the schedule's clock advances at least as fast as real time
+//! between calls, one call is made per instant, and right after each call the test
+//! takes the TTLs off its keys (`PERSIST`). A key can then only be dropped between a
+//! call and its `PERSIST`, and the next call's instant is already past the key's end.
+//! Each operation is followed by a reading of what is left, at the next instant.
+//! The TTLs themselves are checked by `redis_golden`'s
+//! `idle_keys_expire_and_no_key_lives_forever`. The schedule's draws are the seed's;
+//! its instants also carry the real time the calls took.
 
 mod common;
 
@@ -84,8 +95,16 @@ struct Seen {
     refunded: u64,
 }
 
+/// Takes the TTLs off every key under `prefix`.
+fn persist(port: u16, prefix: &str) {
+    let script = "for _, k in ipairs(redis.call('KEYS', ARGV[1])) do redis.call('PERSIST', k) end";
+    let reply = common::redis::command(port, &format!("EVAL \"{script}\" 0 {prefix}*"));
+    assert!(reply.is_some_and(|r| !r.starts_with('-')), "PERSIST under {prefix}");
+}
+
 async fn run_one(
     store: &Store,
+    (port, prefix): (u16, &str),
     rng: &mut Rng,
     kind: u64,
     steps: usize,
@@ -102,10 +121,6 @@ async fn run_one(
     let mut grants: Vec<(u64, u64, u64)> = Vec::new(); // (granted at, hold, units)
     let mut decisions: Vec<(u64, u64)> = Vec::new(); // (at, cost)
     let w = spec.window();
-    // Redis expires keys in real time (the scripts set each key's TTL from the time
-    // they are given), so the schedule's clock is the real one plus its jumps: it
-    // never advances less than real time between two calls, and a key is never
-    // dropped before the schedule's time says it may be.
     let mut real = tokio::time::Instant::now();
     for step in 0..steps {
         let elapsed = real.elapsed();
@@ -184,10 +199,18 @@ async fn run_one(
             }
             _ => {}
         }
+        persist(port, prefix);
+        // What is left, at the next instant (the clock moved on by the real time the
+        // call and the PERSIST took, so the reading is safe from real-time expiry too).
+        let elapsed = real.elapsed();
+        real += elapsed;
+        now += u64::try_from(elapsed.as_micros()).unwrap_or(u64::MAX) + 1;
         let left = store.remaining(&chain, now * US).await.map_err(|e| e.to_string())?;
         if left != reference.remaining(now) {
-            return Err(format!("{at}: remaining {left}, reference {}", reference.remaining(now)));
+            let want = reference.remaining(now);
+            return Err(format!("{at}: then remaining {left}, reference {want}"));
         }
+        persist(port, prefix);
     }
     Ok(())
 }
@@ -201,9 +224,11 @@ async fn the_scripts_match_the_reference_on_random_schedules() {
         eprintln!("redis_reference: seed {seed} (replay: REFERENCE_SEED={seed})");
         let mut rng = Rng::new(seed);
         for case in 0..40u64 {
-            let store = store(redis.url(), format!("ref{seed}:{case}"));
+            let prefix = format!("ref{seed}:{case}");
+            let store = store(redis.url(), prefix.clone());
             let steps = 120;
-            if let Err(e) = run_one(&store, &mut rng, case % 4, steps, &mut seen).await {
+            let keys = (redis.port, prefix.as_str());
+            if let Err(e) = run_one(&store, keys, &mut rng, case % 4, steps, &mut seen).await {
                 panic!("seed {seed}, case {case}: {e}");
             }
             ops += steps;

@@ -49,7 +49,9 @@ impl RedisServer {
         Self::start_with(&[])
     }
 
-    /// Starts a server with extra `--option value` arguments.
+    /// Starts a server with extra `--option value` arguments. A free port can be taken
+    /// by another test between the pick and the bind: a server that exits at once is
+    /// started again on another port.
     pub(crate) fn start_with(extra: &[&str]) -> Self {
         let dir = tempfile::tempdir().unwrap();
         let mut s = Self {
@@ -58,8 +60,13 @@ impl RedisServer {
             dir,
             extra: extra.iter().map(|e| (*e).to_owned()).collect(),
         };
-        s.restart();
-        s
+        for _ in 0..5 {
+            if s.spawn_and_wait() {
+                return s;
+            }
+            s.port = free_port();
+        }
+        panic!("redis-server did not start on five free ports");
     }
 
     /// The server's URL.
@@ -74,6 +81,24 @@ impl RedisServer {
 
     /// Starts (again) on the same port and directory: data saved before is loaded.
     pub(crate) fn restart(&mut self) {
+        assert!(self.spawn_and_wait(), "redis-server on port {} did not start", self.port);
+    }
+
+    /// Whether the server on the port is this one's process (another test's server may
+    /// have the port; a password-protected one cannot say, and is taken as ours).
+    fn answers_as_ours(&mut self) -> bool {
+        let Some(pid) = self.child.as_ref().map(Child::id) else { return false };
+        match command(self.port, "INFO server") {
+            Some(info) if info.contains("process_id:") => {
+                info.contains(&format!("process_id:{pid}\r"))
+            }
+            _ => true,
+        }
+    }
+
+    /// Starts the process and waits up to 10 s for it to answer; false if it exited
+    /// (its port was taken) or never answered.
+    fn spawn_and_wait(&mut self) -> bool {
         let mut cmd = Command::new("redis-server");
         cmd.arg("--port")
             .arg(self.port.to_string())
@@ -93,12 +118,20 @@ impl RedisServer {
         for _ in 0..500 {
             // A password-protected server answers NOAUTH: up all the same.
             let up = |r: String| r.starts_with("+PONG") || r.starts_with("-NOAUTH");
-            if command(self.port, "PING").is_some_and(up) {
-                return;
+            if command(self.port, "PING").is_some_and(up) && self.answers_as_ours() {
+                return true;
+            }
+            if self.child.as_mut().is_some_and(|c| c.try_wait().ok().flatten().is_some()) {
+                self.child = None;
+                return false;
             }
             std::thread::sleep(Duration::from_millis(20));
         }
-        panic!("redis-server on port {} did not start", self.port);
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+        false
     }
 
     /// Saves a snapshot and stops (the data survives a restart).

@@ -39,6 +39,11 @@ pub struct AgentConfig {
     /// TLS and token of calls to owners (default: plaintext, no token). With TLS,
     /// `host:port` addresses are dialled as `https://`.
     pub security: ClientSecurity,
+    /// The longest an owner's refusal answers a key's like requests here (never past
+    /// the wait the owner gave, never more than a fiftieth of the lease's TTL):
+    /// 50 ms by default, short enough that units other agents give back are found
+    /// soon. Zero: every refusal is the owner's.
+    pub refusal_cap: Duration,
 }
 
 impl AgentConfig {
@@ -58,6 +63,7 @@ impl AgentConfig {
             route_by_ring: false,
             topology_interval: Duration::from_secs(5),
             security: ClientSecurity::plaintext(),
+            refusal_cap: Duration::from_millis(50),
         }
     }
 
@@ -88,6 +94,12 @@ impl AgentConfig {
     /// With the renewal interval.
     pub fn with_renew_interval(mut self, t: Duration) -> Self {
         self.renew_interval = t;
+        self
+    }
+
+    /// With the longest an owner's refusal is kept (see [`Self::refusal_cap`]).
+    pub fn with_refusal_cap(mut self, t: Duration) -> Self {
+        self.refusal_cap = t;
         self
     }
 }

@@ -9,7 +9,7 @@ use std::time::Duration;
 use common::{Owner, agent, req};
 use limiter_core::Reason;
 use limiter_core::clock::{Clock, MonotonicClock};
-use limiter_gateway_agent::{AgentRequest, Source};
+use limiter_gateway_agent::{Agent, AgentConfig, AgentRequest, Source};
 
 const POLICY: &str = r"
 version: 1
@@ -97,6 +97,8 @@ async fn exact_routes_ask_the_owner_for_every_request() {
     }
     assert_eq!(allowed, 10);
     assert_eq!(a.stats().local, 0);
+    // An exact route holds no lease, so no refusal is kept at the agent either.
+    assert_eq!(a.stats().refused_locally, 0);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -112,4 +114,50 @@ async fn a_stopping_agent_returns_its_balance() {
     assert_eq!(after.outstanding, 0);
     // Everything but the one unit the request spent came back.
     assert_eq!(after.returned - before.returned, before.outstanding - 1);
+}
+
+/// An exhausted key's requests are refused at the agent from the owner's refusal, with
+/// the owner's reason and the wait left, without a call; once the refusal lapses (its
+/// cap: the agent's `refusal_cap`, within a fiftieth of the lease's TTL) the agent
+/// asks again, and it never admits more than the limit.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_owners_refusal_answers_the_keys_requests_locally_for_a_while() {
+    // A 50 s lease TTL allows a 1 s cap: long enough that the test's requests all fall
+    // inside it on a loaded machine.
+    let policy = "version: 1\nlease: { ttl: 50s }\ntenants:\n  t:\n    limit: { algorithm: fixed_window, limit: 3, window: 1h }\n";
+    let clock: Arc<dyn Clock> = Arc::new(MonotonicClock::new());
+    let owner = Owner::start(policy, clock.clone()).await;
+    let config = AgentConfig::new(owner.url(), "refused")
+        .with_rpc_timeout(Duration::from_millis(500))
+        .with_refusal_cap(Duration::from_secs(1));
+    let a = Agent::with_clock(config, clock.clone()).unwrap();
+    let mut allowed = 0;
+    // Until the owner has refused once.
+    for _ in 0..20 {
+        let o = a.decide(&req("t", "/r")).await.unwrap();
+        if !o.allowed {
+            assert_eq!(o.source, Source::Owner, "the first refusal is the owner's");
+            break;
+        }
+        allowed += 1;
+    }
+    assert_eq!(allowed, 3);
+    let before = a.stats();
+    let started = tokio::time::Instant::now();
+    for _ in 0..50 {
+        let o = a.decide(&req("t", "/r")).await.unwrap();
+        assert!(!o.allowed);
+        assert_eq!((o.reason, o.source), (Some(Reason::TenantLimit), Source::Local));
+        assert!(o.retry_after > 0 && o.retry_after <= 3_600_000_000_000, "{o:?}");
+    }
+    let during = a.stats();
+    if started.elapsed() < Duration::from_millis(900) {
+        assert_eq!(during.refused_locally - before.refused_locally, 50, "{during:?}");
+        assert_eq!(during.owner_calls, before.owner_calls, "no call while the refusal stands");
+    }
+    // Once it lapses the owner is asked again, and refuses again.
+    tokio::time::sleep(Duration::from_millis(1_100)).await;
+    let o = a.decide(&req("t", "/r")).await.unwrap();
+    assert_eq!((o.allowed, o.source), (false, Source::Owner));
+    assert!(a.stats().owner_calls > during.owner_calls);
 }

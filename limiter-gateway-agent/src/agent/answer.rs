@@ -99,4 +99,14 @@ pub struct AgentStats {
     pub owner_calls: u64,
     /// Calls that failed or timed out.
     pub failed_calls: u64,
+    /// Requests refused here from a refusal the owner gave for the key a moment
+    /// before (until the wait it gave, at most a [`REFUSAL_CAP_SHARE`]th of the
+    /// lease TTL and `AgentConfig::refusal_cap`): decided locally, with no call, and
+    /// counted apart from the owner's.
+    pub refused_locally: u64,
 }
+
+/// The longest a refusal from the owner answers a key's requests locally, as a share
+/// of the lease's TTL (a fiftieth; also at most `AgentConfig::refusal_cap`), and
+/// never past the wait the owner gave.
+pub const REFUSAL_CAP_SHARE: u64 = 50;

@@ -25,7 +25,7 @@ mod renew;
 mod slots;
 mod wire;
 
-pub use self::answer::{AgentRequest, AgentStats, LimitInfo, Outcome, Source};
+pub use self::answer::{AgentRequest, AgentStats, LimitInfo, Outcome, REFUSAL_CAP_SHARE, Source};
 pub use self::clock::FastClock;
 use self::renew::*;
 use self::slots::*;
@@ -43,7 +43,7 @@ struct Inner {
     ceilings: EmergencyCeilings,
     wake: Arc<tokio::sync::Notify>,
     cancel: CancellationToken,
-    stats: [AtomicU64; 4],
+    stats: [AtomicU64; 5],
     /// The ring as the owner endpoint last described it (ring routing only).
     ring: Mutex<Option<Arc<Ring>>>,
     /// Clients of the ring's members, by address.
@@ -62,6 +62,8 @@ const SLOW: usize = 0;
 const FALLBACK: usize = 1;
 const CALLS: usize = 2;
 const FAILED: usize = 3;
+/// Requests refused from a refusal the owner gave (no call).
+const REFUSED: usize = 4;
 
 /// An embedded rate-limit agent; cheap to clone.
 ///
@@ -141,6 +143,7 @@ impl Agent {
             fallback: s(FALLBACK),
             owner_calls: s(CALLS),
             failed_calls: s(FAILED),
+            refused_locally: s(REFUSED),
         }
     }
 

@@ -4,7 +4,7 @@ use super::*;
 use crate::error::AgentError;
 use crate::slot::Spend;
 use limiter_core::clock::Nanos;
-use limiter_core::holder::Margin;
+use limiter_core::holder::{Margin, Refusal};
 use limiter_core::ring::{Member, Ring};
 use limiter_core::{Decision, Reason};
 use limiter_proto::connect::AuthChannel;
@@ -256,6 +256,14 @@ impl Inner {
         if let Spend::Hit { remaining, .. } = slot.balance.try_spend(now, cost) {
             return Ok(Outcome::local(remaining));
         }
+        // The owner refused a request like this one a moment ago and said when to
+        // retry: the same answer from here, with the wait left, until it lapses.
+        if let Some(r) = &st.denied
+            && let Some(wait) = r.wait(now, cost)
+        {
+            self.stats[REFUSED].fetch_add(1, Ordering::Relaxed);
+            return Ok(Outcome { retry_after: wait, source: Source::Local, ..r.detail.clone() });
+        }
         self.stats[SLOW].fetch_add(1, Ordering::Relaxed);
         if !self.breaker.allow(now) {
             return Ok(self.fallback(slot.key.route(), cost));
@@ -273,23 +281,25 @@ impl Inner {
                 let Some(g) = grants.first() else {
                     return Ok(self.fallback(slot.key.route(), cost));
                 };
-                if g.mode() == pb::LeaseMode::Direct {
-                    self.install(slot, &mut st, g, now, 0);
-                    return Ok(g.decision.as_ref().map_or_else(
-                        || Outcome::rejected(Reason::LimiterUnavailable, 0, Source::Owner),
-                        from_owner,
-                    ));
-                }
-                if g.units >= cost && g.units > 0 {
+                if g.mode() != pb::LeaseMode::Direct && g.units >= cost && g.units > 0 {
+                    st.denied = None;
                     self.install(slot, &mut st, g, now, cost);
-                    Ok(Outcome { source: Source::Granted, ..Outcome::local(g.units - cost) })
-                } else {
-                    self.install(slot, &mut st, g, now, 0);
-                    Ok(g.decision.as_ref().map_or_else(
-                        || Outcome::rejected(Reason::LimiterUnavailable, 0, Source::Owner),
-                        from_owner,
-                    ))
+                    return Ok(Outcome {
+                        source: Source::Granted,
+                        ..Outcome::local(g.units - cost)
+                    });
                 }
+                // A direct decision, or a grant that could not cover the cost.
+                self.install(slot, &mut st, g, now, 0);
+                let o = g.decision.as_ref().map_or_else(
+                    || Outcome::rejected(Reason::LimiterUnavailable, 0, Source::Owner),
+                    from_owner,
+                );
+                let hold = duration_nanos(g.hold.as_ref()).max(st.hold);
+                let cap =
+                    (hold / REFUSAL_CAP_SHARE).min(duration_nanos_of(self.config.refusal_cap));
+                st.denied = refusal(&o, now, cost, cap);
+                Ok(o)
             }
             Err(s) if s.code() == tonic::Code::InvalidArgument => {
                 Err(AgentError::Invalid(s.message().to_owned()))
@@ -297,4 +307,27 @@ impl Inner {
             Err(_) => Ok(self.fallback(slot.key.route(), cost)),
         }
     }
+}
+
+/// What of the owner's answer `o` to a request of `cost` at `now` stands for the key's
+/// like requests: a refusal by a limit with a wait, kept at most `cap` and never past
+/// the wait. A failure policy's refusal, an unknown tenant or an admission leaves
+/// nothing.
+fn refusal(o: &Outcome, now: Nanos, cost: u64, cap: Nanos) -> Option<Refusal<Outcome>> {
+    let by_a_limit = matches!(
+        o.reason,
+        Some(
+            Reason::GlobalCeiling
+                | Reason::RouteLimit
+                | Reason::TenantLimit
+                | Reason::TenantRouteLimit
+                | Reason::KeyLimit
+        )
+    );
+    (!o.allowed && by_a_limit && o.retry_after > 0 && cap > 0)
+        .then(|| Refusal::new(now, o.retry_after, cap, cost, o.clone()))
+}
+
+fn duration_nanos_of(d: std::time::Duration) -> Nanos {
+    Nanos::try_from(d.as_nanos()).unwrap_or(Nanos::MAX)
 }

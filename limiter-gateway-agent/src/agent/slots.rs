@@ -3,7 +3,9 @@
 use crate::slot::Balance;
 use arc_swap::ArcSwap;
 use limiter_core::clock::Nanos;
-use limiter_core::holder::Demand;
+use limiter_core::holder::{Demand, Refusal};
+
+use super::Outcome;
 use parking_lot::Mutex;
 use std::collections::HashMap;
 use std::hash::Hash;
@@ -79,6 +81,9 @@ pub(super) struct LeaseState {
     pub(super) mode: Mode,
     /// The key's demand (the holder's estimate, `limiter_core::holder`).
     pub(super) demand: Demand,
+    /// The owner's last refusal of a request of this key: it answers like requests
+    /// here until it lapses (`limiter_core::holder::Refusal`).
+    pub(super) denied: Option<Refusal<Outcome>>,
 }
 
 /// A key idle this many times `idle_after`, holding nothing, is forgotten.

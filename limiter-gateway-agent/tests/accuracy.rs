@@ -189,8 +189,21 @@ async fn run(limits: &[u64], demand: &[f64]) -> f64 {
             if v.overshoot > 0 {
                 let per: Vec<(u64, u64)> =
                     v.by_window.iter().map(|&(w, u)| ((w - start) / NANOS_PER_SEC, u)).collect();
-                let _ =
-                    write!(worst, " t{t}: {} over, per second (s, units) {per:?};", v.overshoot);
+                // Every arrival of the key, kept for a look at what the judge refused.
+                let file = std::env::temp_dir().join(format!("accuracy-{name}-t{t}.txt"));
+                let lines: String = arrivals
+                    .iter()
+                    .filter(|a| a.0 == t && a.1 == r)
+                    .map(|a| format!("{} {} {} {}\n", a.2 - start, a.3 - start, a.4, a.5))
+                    .collect();
+                let _ = std::fs::write(&file, lines);
+                let _ = write!(
+                    worst,
+                    " t{t}: {} over, per second (s, units) {per:?} (arrivals: sent, answered, \
+                     admitted, local, in {});",
+                    v.overshoot,
+                    file.display()
+                );
             }
             overshoot += v.overshoot;
         }

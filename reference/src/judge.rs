@@ -43,13 +43,6 @@ pub struct Verdict {
     pub by_window: Vec<(u64, u64)>,
 }
 
-impl Verdict {
-    /// The window with the most overshoot, if any.
-    pub fn worst(&self) -> Option<(u64, u64)> {
-        self.by_window.iter().copied().max_by_key(|&(_, u)| u)
-    }
-}
-
 /// Judges `spends` on one level with `spec`, fresh at the start, reporting overshoot
 /// per aligned window of `report` ticks.
 pub fn judge(spec: Spec, spends: &[Spend], report: u64) -> Verdict {

@@ -133,11 +133,6 @@ impl Level {
         Self { spec, tokens, at: 0, counts: BTreeMap::new(), log: Vec::new() }
     }
 
-    /// The level's parameters.
-    pub fn spec(&self) -> Spec {
-        self.spec
-    }
-
     /// Token bucket: tokens x period at `t`.
     fn level_at(&self, t: u64) -> i128 {
         let Spec::TokenBucket { amount, period, burst } = self.spec else { unreachable!() };

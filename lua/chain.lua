@@ -20,16 +20,19 @@
 --                 max_batch and its demand over the hold), ARGV[4] hold asked for
 --                 (us), ARGV[5] the waiting request's cost (0: none), ARGV[6..8] the
 --                 previous lease's unspent units, grant time and hold, returned
---                 first, ARGV[9] active holders (0: a node's slice, never direct):
---                 one renewal in one call, sized by the owner's grant rule
---                 (limiter-core's `lease::grant_size`: the cap within half of what
---                 is left, below a fifth of the capacity half of it split among the
---                 active holders, at least the cost); nothing when less than one
---                 cost per active holder is left, or when the cost does not fit
+--                 first, ARGV[9] active holders of the chain (0: a node's slice,
+--                 never direct), ARGV[10] what the other active holders asked for in
+--                 all, ARGV[11] a random draw below 2^32: one renewal in one call,
+--                 sized by the owner's grant rule (limiter-core's
+--                 `lease::grant_size`: the cap while what is left covers every ask,
+--                 else a part in proportion to the asks, its fraction paid with its
+--                 probability; within half of what is left; at least the cost);
+--                 direct mode when the tightest capacity is less than two costs per
+--                 active holder; nothing when the cost does not fit
 --   remaining     nothing
 -- ARGV[2]: now in microseconds, or -1 for Redis TIME (the default; tests pass fixed
 --   times to replay golden cases).
--- ARGV[10..]: four per level: kind (tb, fw, sl, sc) and three parameters (see the
+-- ARGV[12..]: four per level: kind (tb, fw, sl, sc) and three parameters (see the
 --   algorithm's file).
 -- Returns an array of integers (times in microseconds):
 --   decide     {1, tightest level (1-based, 0: none), remaining, reset after, now}
@@ -58,7 +61,7 @@ end
 
 local levels = {}
 local k = 1
-local i = 10
+local i = 12
 while ARGV[i] do
   local algo = algorithms[ARGV[i]]
   if not algo then return redis.error_reply('unknown algorithm ' .. ARGV[i]) end
@@ -181,13 +184,20 @@ elseif op == 'lease' then
     local c = lv.algo.capacity(lv)
     if capacity < 0 or c < capacity then capacity = c end
   end
-  if active > 0 and left < math.max(cost, 1) * active then
+  if active > 0 and capacity < math.max(cost, 1) * active * 2 then
     save_all()
     return { 2, 0, now, hold, 0 }
   end
-  local share = idiv(left, 2)
-  if left < idiv(capacity, 5) then share = idiv(left, 2 * math.max(active, 1)) end
-  local units = math.min(math.max(cost, math.min(cap, share)), left)
+  local fair = cap
+  local total = cap + tonumber(ARGV[10])
+  if total > left then
+    local exact = left * cap
+    fair = idiv(exact, total)
+    local part = exact - fair * total
+    if idiv(tonumber(ARGV[11]) * total, 4294967296) < part then fair = fair + 1 end
+  end
+  local share = math.min(fair, idiv(left, 2))
+  local units = math.min(math.max(cost, share), left)
   if units == 0 or units < cost then
     save_all()
     return { 0, 0, now, hold, 0 }

@@ -55,9 +55,15 @@ impl Margin {
 /// The demand assumed of a holder seen for the first time, in units per second.
 pub const FIRST_DEMAND: u64 = 1;
 
+/// The shortest span a demand update measures: updates closer together than this
+/// keep counting into the next (a rate over a few milliseconds is noise: two requests
+/// 10 ms apart are not 200 a second).
+pub const DEMAND_SPAN: Nanos = NANOS_PER_SEC / 10;
+
 /// A holder's demand, in units per second: the rate it spent at since the last
-/// update, never falling by more than half per update (a pause does not take a busy
-/// key's next grant to nothing; a drop shows within a few updates).
+/// update (over at least [`DEMAND_SPAN`]), never falling by more than half per update
+/// (a pause does not take a busy key's next grant to nothing; a drop shows within a
+/// few updates).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Demand {
     rate: u64,
@@ -81,14 +87,20 @@ impl Demand {
     /// returns it. The first update starts the clock: its estimate is what was spent
     /// (at least [`FIRST_DEMAND`]).
     pub fn update(&mut self, now: Nanos) -> u64 {
-        let spent = std::mem::take(&mut self.spent);
         if !self.started {
             self.started = true;
             self.since = now;
-            self.rate = FIRST_DEMAND.max(spent);
+            self.rate = FIRST_DEMAND.max(std::mem::take(&mut self.spent));
             return self.rate;
         }
-        let elapsed = now.saturating_sub(self.since).max(1);
+        let elapsed = now.saturating_sub(self.since);
+        if elapsed < DEMAND_SPAN {
+            // Too soon to fold: what was spent, as if over the shortest span (a new
+            // key's first burst grows its grant at once, within reason).
+            let soon = u128::from(self.spent) * u128::from(NANOS_PER_SEC) / u128::from(DEMAND_SPAN);
+            return self.rate.max(u64::try_from(soon).unwrap_or(u64::MAX));
+        }
+        let spent = std::mem::take(&mut self.spent);
         let rate = u128::from(spent) * u128::from(NANOS_PER_SEC) / u128::from(elapsed);
         self.rate = u64::try_from(rate).unwrap_or(u64::MAX).max(self.rate / 2);
         self.since = now;
@@ -187,6 +199,11 @@ mod tests {
         // Spending between updates shows at once in the rate read.
         d.spend(80);
         assert_eq!(d.rate(), 80);
+        // An update sooner than the shortest span keeps counting, and reads what was
+        // spent as if over that span.
+        assert_eq!(d.update(3 * NANOS_PER_SEC + DEMAND_SPAN - 1), 800);
+        d.spend(20);
+        assert_eq!(d.update(4 * NANOS_PER_SEC), 100, "100 over the second");
         assert_eq!(Demand::default().update(5), FIRST_DEMAND);
     }
 

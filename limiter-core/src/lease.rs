@@ -205,25 +205,65 @@ impl Ask {
     }
 }
 
-/// The share of what is left one grant may take: half of it, and near the limit
-/// (less than a fifth of the capacity left) half of it split among the active
-/// holders, so no more than half the remaining budget can be stranded. The Redis
-/// store's `lease` script (`lua/chain.lua`) applies the same rule.
-pub fn share(remaining: u64, capacity: u64, active: u64) -> u64 {
-    if remaining < capacity / 5 { remaining / (2 * active.max(1)) } else { remaining / 2 }
+/// Who else wants units of a chain: what its owner divides near the limit.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Shares {
+    /// Holders with open leases or recent asks on the chain, this one included
+    /// (0: a node's slice, which never goes direct).
+    pub active: u64,
+    /// What the other active holders last asked for, in total.
+    pub others: u64,
+    /// A random draw (any `u64`): the fraction of a proportional share is granted
+    /// with its probability, so a small holder's share is paid on average instead of
+    /// being rounded to nothing on every grant.
+    pub dice: u64,
 }
 
-/// Whether so little is left that the owner decides each waiting request itself
-/// (direct mode) instead of granting: less than one request's cost for each active
-/// holder. `active` 0 (a node's slice) never goes direct.
-pub fn goes_direct(remaining: u64, cost: u64, active: u64) -> bool {
-    active > 0 && remaining < cost.max(1).saturating_mul(active)
+/// The share of what is left one grant may take, for a holder asking `mine` (its cap,
+/// [`Ask::cap`]): everything asked while what is left covers every active holder's
+/// ask, else a part in proportion to what each asked (Doorman's proportional share),
+/// and never more than half of what is left, so no more than half the remaining
+/// budget can be stranded by one grant. The Redis store's `lease` script
+/// (`lua/chain.lua`) applies the same rule.
+///
+/// # Examples
+///
+/// ```
+/// use limiter_core::lease::{Shares, share};
+/// // 100 left, this holder asks 30, the others 270 in all: a tenth (30 * 100 / 300).
+/// assert_eq!(share(100, 30, &Shares { active: 10, others: 270, dice: 0 }), 10);
+/// // Plenty left: what was asked, within half of it.
+/// assert_eq!(share(1_000, 30, &Shares { active: 10, others: 270, dice: 0 }), 30);
+/// ```
+pub fn share(remaining: u64, mine: u64, shares: &Shares) -> u64 {
+    let total = mine.saturating_add(shares.others);
+    let fair = if total <= remaining {
+        mine
+    } else {
+        let exact = u128::from(remaining) * u128::from(mine);
+        let whole = exact / u128::from(total.max(1));
+        let part = exact % u128::from(total.max(1));
+        // The fraction, paid with its probability (the dice's high 32 bits, as the
+        // Redis script reads it).
+        let draw = (u128::from(shares.dice >> 32) * u128::from(total.max(1))) >> 32;
+        u64::try_from(whole + u128::from(draw < part)).unwrap_or(u64::MAX)
+    };
+    fair.min(remaining / 2)
+}
+
+/// Budgets too small to split: when a chain's tightest capacity is less than two
+/// requests' cost for each active holder, the owner decides each waiting request
+/// itself (direct mode) instead of granting (a grant would strand units at a gateway
+/// whose next request may come too late to use them). `active` 0 (a node's slice)
+/// never goes direct.
+pub fn goes_direct(capacity: u64, cost: u64, active: u64) -> bool {
+    active > 0 && capacity < cost.max(1).saturating_mul(active).saturating_mul(2)
 }
 
 /// The grant rule: [`Ask::cap`] within the [`share`] of what is left, and never less
-/// than the waiting request's cost.
-pub fn grant_size(ask: &Ask, remaining: u64, capacity: u64, active: u64) -> u64 {
-    ask.cap().min(share(remaining, capacity, active)).max(ask.cost)
+/// than the waiting request's cost (when it fits).
+pub fn grant_size(ask: &Ask, remaining: u64, shares: &Shares) -> u64 {
+    share(remaining, ask.cap(), shares).max(ask.cost)
 }
 
 #[cfg(test)]
@@ -286,7 +326,7 @@ mod grant_rule {
 
     /// Plenty left for one holder.
     fn size(a: &Ask) -> u64 {
-        grant_size(a, 10_000, 10_000, 1)
+        grant_size(a, 10_000, &Shares { active: 1, ..Shares::default() })
     }
 
     #[test]
@@ -304,23 +344,43 @@ mod grant_rule {
     }
 
     #[test]
-    fn near_the_limit_each_active_holder_gets_a_small_share() {
-        // Half of what is left while plenty is left.
+    fn near_the_limit_shares_follow_what_each_holder_asked() {
         let busy = Ask { want: 10_000, most: u64::MAX, demand_per_sec: 1_000_000, ..ask() };
-        assert_eq!(grant_size(&busy, 4_000, 10_000, 1), 2_000);
-        // Below a fifth of the capacity: a share per active holder of half of it.
-        assert_eq!(grant_size(&busy, 1_000, 10_000, 10), 50);
+        let alone = Shares { active: 1, ..Shares::default() };
+        // Half of what is left while it covers every ask.
+        assert_eq!(grant_size(&busy, 4_000, &alone), 2_000);
+        assert_eq!(grant_size(&ask(), 4_000, &Shares { active: 3, others: 200, dice: 0 }), 100);
+        // Not enough for every ask: in proportion to them (1 of 1 + 4 asked).
+        let small = Ask { want: 100, ..busy };
+        let crowd = Shares { active: 5, others: 400, dice: 0 };
+        assert_eq!(grant_size(&small, 400, &crowd), 80);
         // Never below the waiting request's cost, even when that is all there is.
-        assert_eq!(grant_size(&Ask { cost: 3, ..ask() }, 3, 10_000, 10), 3);
-        assert_eq!(grant_size(&ask(), 100, 10_000, 0), 50, "active 0 reads as 1");
+        assert_eq!(grant_size(&Ask { cost: 3, ..ask() }, 3, &crowd), 3);
+        assert_eq!(
+            grant_size(&Ask { cost: 0, ..ask() }, 1, &alone),
+            0,
+            "half of one unit is nothing"
+        );
     }
 
     #[test]
-    fn direct_mode_below_one_request_per_active_holder() {
-        assert!(goes_direct(9, 1, 10));
-        assert!(!goes_direct(10, 1, 10));
-        assert!(goes_direct(5, 3, 2), "cost 3 for each of 2 holders");
-        assert!(goes_direct(0, 0, 1), "a renewal with nothing waiting counts one unit");
+    fn a_fraction_of_a_share_is_paid_with_its_probability() {
+        // 10 left, a holder asking 1 of 30 in all: a third of a unit per grant.
+        let mut paid = 0;
+        for i in 0..3_000u64 {
+            let dice = i.wrapping_mul(0x9e37_79b9_7f4a_7c15);
+            paid += share(10, 1, &Shares { active: 10, others: 29, dice });
+        }
+        assert!((900..=1_100).contains(&paid), "{paid} of 1000 expected");
+        assert_eq!(share(10, 1, &Shares { active: 2, others: 29, dice: u64::MAX }), 0, "a third");
+        assert_eq!(share(10, 1, &Shares { active: 2, others: 29, dice: 0 }), 1);
+    }
+
+    #[test]
+    fn direct_mode_below_two_requests_per_active_holder() {
+        assert!(goes_direct(19, 1, 10));
+        assert!(!goes_direct(20, 1, 10));
+        assert!(goes_direct(11, 3, 2), "cost 3 for each of 2 holders");
         assert!(!goes_direct(0, 5, 0), "a node's slice never goes direct");
     }
 }

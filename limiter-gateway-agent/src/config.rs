@@ -40,9 +40,10 @@ pub struct AgentConfig {
     /// `host:port` addresses are dialled as `https://`.
     pub security: ClientSecurity,
     /// The longest an owner's refusal answers a key's like requests here (never past
-    /// the wait the owner gave, never more than a fiftieth of the lease's TTL):
-    /// 50 ms by default, short enough that units other agents give back are found
-    /// soon. Zero: every refusal is the owner's.
+    /// the wait the owner gave, never more than an eighth of the lease's TTL): one
+    /// renewal interval by default (250 ms). A key refused while leasing is asked
+    /// for again in the renewer's next round, so units other agents give back are
+    /// found within it. Zero: every refusal is the owner's.
     pub refusal_cap: Duration,
 }
 
@@ -54,7 +55,7 @@ impl AgentConfig {
             agent_id: agent_id.into(),
             rpc_timeout: Duration::from_millis(250),
             renew_interval: Duration::from_millis(250),
-            deadline_margin: 0.02,
+            deadline_margin: 0.005,
             breaker_threshold: 2,
             probe_interval: Duration::from_millis(250),
             idle_after: Duration::from_secs(2),
@@ -63,7 +64,7 @@ impl AgentConfig {
             route_by_ring: false,
             topology_interval: Duration::from_secs(5),
             security: ClientSecurity::plaintext(),
-            refusal_cap: Duration::from_millis(50),
+            refusal_cap: Duration::from_millis(250),
         }
     }
 

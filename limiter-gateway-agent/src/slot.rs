@@ -31,6 +31,10 @@ pub enum Spend {
 pub struct Balance {
     balance: AtomicU64,
     deadline: AtomicU64,
+    /// Units of a grant already settled with its owner (counted spent there), kept to
+    /// serve requests while its renewal is out; spent first, until `spare_deadline`.
+    spare: AtomicU64,
+    spare_deadline: AtomicU64,
     low_water: AtomicU64,
     hits: AtomicU64,
     last_used: AtomicU64,
@@ -44,6 +48,13 @@ impl Balance {
         // Acquire pairs with `install`'s Release stores: a balance read here belongs to
         // a grant whose deadline is at least the one read below (deadlines only grow
         // while a grant is installed, and a renewal empties the balance first).
+        if self.spare.load(Ordering::Relaxed) >= cost
+            && let Some(left) = self.try_spare(now, cost)
+        {
+            self.count(now);
+            let remaining = left + self.balance.load(Ordering::Relaxed);
+            return Spend::Hit { remaining, renew: false };
+        }
         if now >= self.deadline.load(Ordering::Acquire) {
             return Spend::Miss;
         }
@@ -64,15 +75,63 @@ impl Balance {
                 Err(now_b) => b = now_b,
             }
         }
+        self.count(now);
+        let remaining = b - cost;
+        let renew = remaining < self.low_water.load(Ordering::Relaxed)
+            && !self.renew_wanted.swap(true, Ordering::Relaxed);
+        Spend::Hit { remaining, renew }
+    }
+
+    #[inline]
+    fn count(&self, now: Nanos) {
         // Relaxed, and a plain load and store rather than a locked add: a statistic
         // (which may miss a count when two threads hit one key at the same instant)
         // and an idleness hint, on the cache line the CAS already owns.
         self.hits.store(self.hits.load(Ordering::Relaxed) + 1, Ordering::Relaxed);
         self.last_used.store(now, Ordering::Relaxed);
-        let remaining = b - cost;
-        let renew = remaining < self.low_water.load(Ordering::Relaxed)
-            && !self.renew_wanted.swap(true, Ordering::Relaxed);
-        Spend::Hit { remaining, renew }
+    }
+
+    /// Spends `cost` from the spare units, if they are still spendable and enough:
+    /// the spare units left.
+    #[inline]
+    fn try_spare(&self, now: Nanos, cost: u64) -> Option<u64> {
+        // Acquire pairs with `set_aside`'s Release store: spare units read here come
+        // with the deadline stored before them.
+        let mut b = self.spare.load(Ordering::Acquire);
+        if now >= self.spare_deadline.load(Ordering::Acquire) {
+            return None;
+        }
+        loop {
+            if b < cost {
+                return None;
+            }
+            match self.spare.compare_exchange_weak(b, b - cost, Ordering::AcqRel, Ordering::Acquire)
+            {
+                Ok(_) => return Some(b - cost),
+                Err(now_b) => b = now_b,
+            }
+        }
+    }
+
+    /// Before a top-up renewal at `now`: takes the unspent units out for the owner
+    /// (the renewal settles the grant with them), all but `keep`, which stay
+    /// spendable as spare units until the grant's deadline while the renewal is out.
+    /// Spare units of an earlier renewal still spendable join them, under the earlier
+    /// of the two deadlines. Returns the units taken.
+    pub fn set_aside(&self, now: Nanos, keep: u64) -> u64 {
+        let units = self.balance.swap(0, Ordering::AcqRel);
+        let kept = keep.min(units);
+        let old = self.spare.swap(0, Ordering::AcqRel);
+        let old_deadline = self.spare_deadline.load(Ordering::Acquire);
+        let deadline = self.deadline.load(Ordering::Acquire);
+        let (spare, until) = if old > 0 && now < old_deadline {
+            (old + kept, old_deadline.min(deadline))
+        } else {
+            (kept, deadline)
+        };
+        self.spare_deadline.store(until, Ordering::Release);
+        self.spare.store(spare, Ordering::Release);
+        units - kept
     }
 
     /// Takes every unspent unit (for a renewal or a return); nothing can be spent
@@ -90,10 +149,15 @@ impl Balance {
         self.balance.store(units, Ordering::Release);
     }
 
-    /// Ends the grant (direct mode, or nothing granted).
+    /// Ends the grant (direct mode, or nothing granted); spare units stay.
     pub fn clear(&self) -> u64 {
         self.deadline.store(0, Ordering::Release);
         self.take()
+    }
+
+    /// Drops the spare units (the key gives everything back).
+    pub fn drop_spare(&self) {
+        self.spare.store(0, Ordering::Release);
     }
 
     /// Local decisions made so far (approximate under concurrent hits on one key).
@@ -111,9 +175,9 @@ impl Balance {
         self.last_used.fetch_max(now, Ordering::Relaxed);
     }
 
-    /// Units now held.
+    /// Units now held (the grant's and the spare ones).
     pub fn units(&self) -> u64 {
-        self.balance.load(Ordering::Acquire)
+        self.balance.load(Ordering::Acquire) + self.spare.load(Ordering::Acquire)
     }
 
     /// When the grant stops being spendable.
@@ -145,6 +209,20 @@ mod tests {
         assert_eq!(b.try_spend(100, 1), Spend::Miss, "past the deadline");
         assert_eq!(b.take(), 5);
         assert_eq!(b.hits(), 3);
+    }
+
+    #[test]
+    fn spare_units_serve_first_until_their_deadline() {
+        let b = Balance::default();
+        b.install(10, 100, 0);
+        assert_eq!(b.set_aside(10, 3), 7, "all but the spare go back");
+        assert_eq!(b.try_spend(10, 2), Spend::Hit { remaining: 1, renew: false });
+        b.install(5, 200, 0);
+        assert_eq!(b.try_spend(10, 1), Spend::Hit { remaining: 5, renew: false }, "spare first");
+        assert_eq!(b.try_spend(10, 1), Spend::Hit { remaining: 4, renew: false });
+        assert_eq!(b.set_aside(10, 2), 2);
+        assert_eq!(b.units(), 2);
+        assert_eq!(b.try_spend(200, 1), Spend::Miss, "spare past its deadline, nothing else");
     }
 
     /// Many threads spend while another repeatedly takes the balance and installs a

@@ -179,6 +179,23 @@ async fn run(limits: &[u64], demand: &[f64]) -> f64 {
     }
 
     let mut report = String::new();
+    let stats: Vec<_> = agents.iter().map(limiter_gateway_agent::Agent::stats).collect();
+    let sum = |f: fn(&limiter_gateway_agent::AgentStats) -> u64| stats.iter().map(f).sum::<u64>();
+    let per_1000 = |n: u64| n as f64 * 1_000.0 / arrivals.len() as f64;
+    let local = sum(|s| s.local + s.refused_locally);
+    let _ = writeln!(
+        report,
+        "decisions {}, local {:.1}% ({} admitted, {} refused), owner calls per 1000 decisions \
+         {:.1} carrying {:.1} items; failed owner calls {}, fallback decisions {}",
+        arrivals.len(),
+        local as f64 * 100.0 / arrivals.len() as f64,
+        sum(|s| s.local),
+        sum(|s| s.refused_locally),
+        per_1000(sum(|s| s.owner_calls)),
+        per_1000(sum(|s| s.owner_items)),
+        sum(|s| s.failed_calls),
+        sum(|s| s.fallback),
+    );
     for (r, name) in
         ["token_bucket", "fixed_window", "sliding_log", "sliding_counter"].iter().enumerate()
     {
@@ -212,6 +229,12 @@ async fn run(limits: &[u64], demand: &[f64]) -> f64 {
         let offered = arrivals.iter().filter(|a| a.1 == r).count();
         let local = arrivals.iter().filter(|a| a.1 == r && a.5).count();
         let used = admitted as f64 / ideal as f64;
+        if tenants <= 8 {
+            let per: Vec<String> =
+                (0..tenants).map(|t| format!("t{t} {}/{}", got[t][r], exact[t][r])).collect();
+            let _ =
+                writeln!(report, "{name:>16}: per tenant (agents/reference) {}", per.join(", "));
+        }
         let _ = writeln!(
             report,
             "{name:>16}: offered {offered} ({:.1}% decided locally), reference {ideal}, agents {admitted} ({:.1}%), units over the limit {overshoot}",
@@ -227,18 +250,6 @@ async fn run(limits: &[u64], demand: &[f64]) -> f64 {
             floor * 100.0
         );
     }
-    let failed: u64 = agents.iter().map(|a| a.stats().failed_calls).sum();
-    let fallback: u64 = agents.iter().map(|a| a.stats().fallback).sum();
-    let _ = writeln!(report, "failed owner calls {failed}, fallback decisions {fallback}");
-    let calls: u64 = agents.iter().map(|a| a.stats().owner_calls).sum();
-    let local: u64 = agents.iter().map(|a| a.stats().local).sum();
-    let _ = writeln!(
-        report,
-        "decisions {}, local {:.1}%, owner calls per 1000 decisions {:.1}",
-        arrivals.len(),
-        local as f64 * 100.0 / arrivals.len() as f64,
-        calls as f64 * 1_000.0 / arrivals.len() as f64
-    );
     println!("{report}");
     for a in &agents {
         a.shutdown().await;

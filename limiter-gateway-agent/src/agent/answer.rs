@@ -97,16 +97,19 @@ pub struct AgentStats {
     pub fallback: u64,
     /// Calls to the owner (slow path and renewals).
     pub owner_calls: u64,
+    /// Items those calls carried (one per key renewed, returned or asked for).
+    pub owner_items: u64,
     /// Calls that failed or timed out.
     pub failed_calls: u64,
-    /// Requests refused here from a refusal the owner gave for the key a moment
-    /// before (until the wait it gave, at most a [`REFUSAL_CAP_SHARE`]th of the
-    /// lease TTL and `AgentConfig::refusal_cap`): decided locally, with no call, and
-    /// counted apart from the owner's.
+    /// Requests refused here, with no call: from a refusal the owner gave for the
+    /// key a moment before (until the wait it gave, at most a
+    /// [`REFUSAL_CAP_SHARE`]th of the lease TTL and `AgentConfig::refusal_cap`), or
+    /// because the key's share of a limit near its end is spent (until the key's
+    /// next renewal asks again). Counted apart from the owner's refusals.
     pub refused_locally: u64,
 }
 
 /// The longest a refusal from the owner answers a key's requests locally, as a share
-/// of the lease's TTL (a fiftieth; also at most `AgentConfig::refusal_cap`), and
+/// of the lease's TTL (an eighth; also at most `AgentConfig::refusal_cap`), and
 /// never past the wait the owner gave.
-pub const REFUSAL_CAP_SHARE: u64 = 50;
+pub const REFUSAL_CAP_SHARE: u64 = 8;

@@ -22,12 +22,14 @@ mod answer;
 mod clock;
 mod owner;
 mod renew;
+mod schedule;
 mod slots;
 mod wire;
 
 pub use self::answer::{AgentRequest, AgentStats, LimitInfo, Outcome, REFUSAL_CAP_SHARE, Source};
 pub use self::clock::FastClock;
 use self::renew::*;
+use self::schedule::Schedule;
 use self::slots::*;
 use self::wire::*;
 
@@ -41,9 +43,16 @@ struct Inner {
     routes: Mutex<HashMap<Box<str>, FailurePolicy>>,
     /// Emergency ceilings of fail-open routes, by route.
     ceilings: EmergencyCeilings,
+    /// When each key is next due for the renewer.
+    schedule: Schedule,
+    /// The owner calls' latency (an average, nanoseconds).
+    rtt: AtomicU64,
+    /// The demand of a tenant's keys here (an average over its renewals, units per
+    /// second): what a new key of the tenant asks for first.
+    tenants: Mutex<HashMap<Box<str>, u64>>,
     wake: Arc<tokio::sync::Notify>,
     cancel: CancellationToken,
-    stats: [AtomicU64; 5],
+    stats: [AtomicU64; 6],
     /// The ring as the owner endpoint last described it (ring routing only).
     ring: Mutex<Option<Arc<Ring>>>,
     /// Clients of the ring's members, by address.
@@ -64,6 +73,8 @@ const CALLS: usize = 2;
 const FAILED: usize = 3;
 /// Requests refused from a refusal the owner gave (no call).
 const REFUSED: usize = 4;
+/// Items carried by owner calls.
+const ITEMS: usize = 5;
 
 /// An embedded rate-limit agent; cheap to clone.
 ///
@@ -113,6 +124,9 @@ impl Agent {
             clock,
             client,
             slots: Slots::default(),
+            schedule: Schedule::default(),
+            rtt: AtomicU64::new(0),
+            tenants: Mutex::default(),
             routes: Mutex::default(),
             ceilings: EmergencyCeilings::default(),
             wake: Arc::new(tokio::sync::Notify::new()),
@@ -142,6 +156,7 @@ impl Agent {
             slow: s(SLOW),
             fallback: s(FALLBACK),
             owner_calls: s(CALLS),
+            owner_items: s(ITEMS),
             failed_calls: s(FAILED),
             refused_locally: s(REFUSED),
         }
@@ -164,19 +179,17 @@ impl Agent {
     #[inline]
     pub fn spend_local(&self, req: &AgentRequest<'_>) -> Option<u64> {
         let r = SlotRef { tenant: req.tenant, route: req.route, key: req.key.unwrap_or("") };
-        let spend = self
-            .inner
-            .slots
-            .with(&r, |slot| slot.balance.try_spend(self.inner.clock.now(), req.cost))?;
-        match spend {
+        let now = self.inner.clock.now();
+        self.inner.slots.with(&r, |slot| match slot.balance.try_spend(now, req.cost) {
             Spend::Hit { remaining, renew } => {
                 if renew {
-                    self.inner.wake.notify_one();
+                    // Once per grant: renewed in the renewer's next round.
+                    self.inner.schedule.want(slot);
                 }
                 Some(remaining)
             }
             Spend::Miss => None,
-        }
+        })?
     }
 
     /// Decides a request: locally when the balance allows, else through the owner
@@ -206,7 +219,8 @@ impl Agent {
             let slot = Slot {
                 key: SlotKey::new(req.tenant, req.route, r.key),
                 balance: Balance::default(),
-                lease: Arc::default(),
+                due: AtomicU64::new(0),
+                lease: tokio::sync::Mutex::default(),
             };
             slot.balance.touch(self.inner.clock.now());
             slot
@@ -220,12 +234,8 @@ impl Agent {
         let mut items = Vec::new();
         let mut guards = Vec::new();
         for slot in &slots {
-            let mut g = slot.lease.clone().lock_owned().await;
-            if g.lease_id != 0 {
-                let unspent = slot.balance.clear();
-                items.push(self.inner.item(slot, g.lease_id, unspent, 0, 0, 0));
-                g.lease_id = 0;
-            }
+            let mut g = slot.lease.lock().await;
+            items.extend(self.inner.give_back(slot, &mut g));
             guards.push(g);
         }
         if !items.is_empty() {

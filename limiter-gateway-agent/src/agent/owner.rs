@@ -44,6 +44,8 @@ impl Inner {
         items: Vec<pb::LeaseItem>,
     ) -> Result<Vec<pb::LeaseGrant>, tonic::Status> {
         self.stats[CALLS].fetch_add(1, Ordering::Relaxed);
+        self.stats[ITEMS].fetch_add(items.len() as u64, Ordering::Relaxed);
+        let started = self.clock.now();
         let ring = self.ring.lock().clone();
         let result = match ring {
             Some(ring) => self.call_by_ring(&ring, items).await,
@@ -51,6 +53,9 @@ impl Inner {
             // tenant's owner.
             None => self.send(self.client.clone(), items, 0).await,
         };
+        if result.is_ok() {
+            self.measured(self.clock.now().saturating_sub(started));
+        }
         let healthy = match &result {
             Ok(_) => true,
             // A malformed request is ours, not the owner's trouble.
@@ -186,46 +191,142 @@ impl Inner {
         *self.ring.lock() = Some(Arc::new(Ring::new(t.epoch, members)));
     }
 
-    /// Units to ask for: two renewal intervals of demand, at least `cost`.
+    /// How far ahead of a grant's end its renewal is sent: a renewal round (the
+    /// renewer may be that late) and two owner calls.
+    pub(super) fn lead(&self) -> Nanos {
+        let interval = nanos(self.config.renew_interval);
+        interval + interval / 4 + 2 * self.rtt.load(Ordering::Relaxed)
+    }
+
+    /// Units to ask for: two renewal rounds and the owner's latency of demand, at
+    /// least `cost`.
     pub(super) fn want(&self, demand_per_sec: u64, cost: u64) -> u64 {
-        let span = nanos(self.config.renew_interval).saturating_mul(2);
+        let span = nanos(self.config.renew_interval) * 2 + self.rtt.load(Ordering::Relaxed);
         limiter_core::holder::want(demand_per_sec, span, cost, u64::MAX)
     }
 
-    /// Installs a grant; `consume` units of it go to the request that waited for it.
+    /// Counts an owner call's latency into the average.
+    fn measured(&self, took: Nanos) {
+        let old = self.rtt.load(Ordering::Relaxed);
+        let new = if old == 0 { took } else { old - old / 8 + took / 8 };
+        self.rtt.store(new, Ordering::Relaxed);
+    }
+
+    /// The demand a new key of `tenant` starts from: what the tenant's keys here
+    /// spend on average.
+    pub(super) fn first_demand(&self, tenant: &str) -> u64 {
+        self.tenants.lock().get(tenant).copied().unwrap_or(limiter_core::holder::FIRST_DEMAND)
+    }
+
+    /// Counts a key's demand into its tenant's average.
+    pub(super) fn tenant_demand(&self, tenant: &str, demand: u64) {
+        let mut tenants = self.tenants.lock();
+        if let Some(d) = tenants.get_mut(tenant) {
+            *d = *d - *d / 8 + demand / 8;
+            return;
+        }
+        // Bounded: past this many tenants the averages start again.
+        if tenants.len() >= 10_000 {
+            tenants.clear();
+        }
+        tenants.insert(tenant.into(), demand);
+    }
+
+    /// Installs a grant of units (at least one) in the key's balance, which the call
+    /// that brought it emptied (its spare units stay); `consume` of them go to the
+    /// request that waited for it.
     pub(super) fn install(
         &self,
-        slot: &Slot,
+        slot: &Arc<Slot>,
         st: &mut LeaseState,
         g: &pb::LeaseGrant,
         sent_at: Nanos,
         consume: u64,
     ) {
-        if let Some(p) = &g.on_failure {
-            self.routes.lock().insert(slot.key.route().into(), failure_policy(p));
-        }
-        st.installed = 0;
-        if g.mode() == pb::LeaseMode::Direct {
-            st.mode = Mode::Direct;
-            st.lease_id = 0;
-            slot.balance.clear();
-            return;
-        }
-        st.mode = Mode::Leased;
-        st.lease_id = g.lease_id;
-        if g.units == 0 {
-            slot.balance.clear();
-            return;
-        }
+        // Spent while the call was out (from the spare units): counted at the next
+        // renewal.
+        st.demand.spend(st.counted.saturating_sub(slot.balance.units()));
         let hold = duration_nanos(g.hold.as_ref());
         // The configured fraction in thousandths (a fraction of 0 to 1).
         #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
         let permille = (self.config.deadline_margin.clamp(0.0, 1.0) * 1_000.0).round() as u64;
+        st.mode = Mode::Leased;
+        st.lease_id = g.lease_id;
         st.sent_at = sent_at;
         st.hold = hold;
-        let deadline = Margin::permille(permille).spendable_until(sent_at, hold);
-        st.installed = g.units - consume;
-        slot.balance.install(g.units - consume, deadline, (g.units / 4).max(1));
+        st.window_end = g.window_end;
+        let deadline = Margin { permille, at_least: 1 }.spendable_until(sent_at, hold);
+        let units = g.units - consume;
+        // Low water: what the key spends before a renewal sent now comes back.
+        let by_demand = u128::from(st.demand.rate()) * u128::from(self.lead())
+            / u128::from(limiter_core::clock::NANOS_PER_SEC);
+        let low = u64::try_from(by_demand).unwrap_or(u64::MAX).saturating_add(1).min(units);
+        slot.balance.install(units, deadline, low);
+        st.counted = slot.balance.units();
+    }
+
+    /// Takes the key's lease out of its balance: the lease and its unspent units (0
+    /// once it has lapsed), for an item that settles it. Spare units stay.
+    pub(super) fn take_lease(&self, slot: &Slot, st: &mut LeaseState) -> (u64, u64) {
+        let expired = self.clock.now() >= slot.balance.deadline();
+        let unspent = slot.balance.clear();
+        st.counted = slot.balance.units();
+        (std::mem::take(&mut st.lease_id), if expired { 0 } else { unspent })
+    }
+
+    /// The item giving back everything the key holds, if it holds a lease; nothing is
+    /// spendable afterwards.
+    pub(super) fn give_back(&self, slot: &Slot, st: &mut LeaseState) -> Option<pb::LeaseItem> {
+        slot.balance.drop_spare();
+        let (id, unspent) = self.take_lease(slot, st);
+        (id != 0).then(|| self.item(slot, id, unspent, 0, 0, 0))
+    }
+
+    /// When the renewer is to look at a key next, as it stands at `now`.
+    pub(super) fn next_due(&self, slot: &Slot, st: &LeaseState, now: Nanos) -> Nanos {
+        let interval = nanos(self.config.renew_interval);
+        let idle_after = nanos(self.config.idle_after);
+        let idle_at = slot.balance.last_used().max(now.saturating_sub(idle_after)) + idle_after;
+        if st.lease_id == 0 {
+            return slot.balance.last_used() + FORGET_AFTER_IDLE * idle_after + 1;
+        }
+        // Rationed (the owner cut its share): asked again every round while used.
+        if st.denied.is_some() {
+            return (now + interval).min(idle_at);
+        }
+        let lead = self.lead();
+        let renew_at = if st.window_end {
+            // A grant ending with a window: renewed just past the end (when the
+            // owner's next window has begun), or before when it runs low.
+            st.sent_at + st.hold + self.rtt.load(Ordering::Relaxed) + 1_000_000
+        } else if self.short(st) {
+            // A hold shorter than a renewal's lead (a sliding log's): given back and
+            // replaced half way through, before it lapses with units in it.
+            st.sent_at + st.hold / 2
+        } else {
+            slot.balance.deadline().saturating_sub(lead)
+        };
+        renew_at.min(idle_at).max(now + 1)
+    }
+
+    /// Whether the key's grant is held too briefly to be topped up (a top-up settles
+    /// the replaced grant a round later, after such a grant has lapsed): renewals give
+    /// it back and replace it instead.
+    pub(super) fn short(&self, st: &LeaseState) -> bool {
+        !st.window_end && st.hold <= 2 * self.lead()
+    }
+
+    /// The limit that cut a grant or refused a key's request, kept to answer its like
+    /// requests here until the renewer's next round asks again (and never past what
+    /// the owner said).
+    pub(super) fn rationed(&self, o: &Outcome, now: Nanos) -> Option<Box<Refusal<Outcome>>> {
+        let wait = duration_nanos_of(self.config.refusal_cap)
+            .min(nanos(self.config.renew_interval))
+            .min(o.retry_after);
+        (by_a_limit(o) && wait > 0).then(|| {
+            let detail = Outcome { retry_after: wait, ..o.clone() };
+            Box::new(Refusal::new(now, wait, wait, 1, detail))
+        })
     }
 
     pub(super) fn fallback(&self, route: &str, cost: u64) -> Outcome {
@@ -248,7 +349,8 @@ impl Inner {
     }
 
     /// The slow path: one owner call for this key (others wait for it, then retry
-    /// locally), or the failure policy.
+    /// locally), or a local refusal while the key's share is spent, or the failure
+    /// policy.
     pub(super) async fn slow(&self, slot: &Arc<Slot>, cost: u64) -> Result<Outcome, AgentError> {
         let mut st = slot.lease.lock().await;
         let now = self.clock.now();
@@ -256,56 +358,71 @@ impl Inner {
         if let Spend::Hit { remaining, .. } = slot.balance.try_spend(now, cost) {
             return Ok(Outcome::local(remaining));
         }
-        // The owner refused a request like this one a moment ago and said when to
-        // retry: the same answer from here, with the wait left, until it lapses.
+        // The owner refused a request like this one a moment ago, or cut this key's
+        // share: the same answer from here, with the wait left, until it lapses.
         if let Some(r) = &st.denied
             && let Some(wait) = r.wait(now, cost)
         {
+            let o = Outcome { retry_after: wait, source: Source::Local, ..r.detail.clone() };
             self.stats[REFUSED].fetch_add(1, Ordering::Relaxed);
-            return Ok(Outcome { retry_after: wait, source: Source::Local, ..r.detail.clone() });
+            // Refused units are demand too: the next renewal asks for them.
+            st.demand.spend(cost);
+            return Ok(o);
         }
         self.stats[SLOW].fetch_add(1, Ordering::Relaxed);
         if !self.breaker.allow(now) {
             return Ok(self.fallback(slot.key.route(), cost));
         }
-        let unspent = slot.balance.take();
-        // The waiting request is demand too.
-        let spent = st.installed.saturating_sub(unspent);
-        let demand = st.demand(now, spent + cost);
+        let (tenant, _, _) = slot.key.parts();
+        let fresh = st.mode == Mode::Unknown && st.lease_id == 0;
+        let demand = if fresh {
+            // A new key: its tenant's keys' demand here (no history of its own).
+            st.demand.spend(self.first_demand(tenant).max(cost));
+            st.demand.update(now)
+        } else {
+            let units = slot.balance.units();
+            st.demand(now, units, cost)
+        };
         let want = if st.mode == Mode::Direct { 0 } else { self.want(demand, cost) };
-        let item = self.item(slot, st.lease_id, unspent, want, cost, demand);
-        st.lease_id = 0;
-        match self.call(vec![item]).await {
-            Ok(grants) => {
-                // An answer without the grant asked for is the owner's fault: fall back.
-                let Some(g) = grants.first() else {
-                    return Ok(self.fallback(slot.key.route(), cost));
-                };
-                if g.mode() != pb::LeaseMode::Direct && g.units >= cost && g.units > 0 {
-                    st.denied = None;
-                    self.install(slot, &mut st, g, now, cost);
-                    return Ok(Outcome {
-                        source: Source::Granted,
-                        ..Outcome::local(g.units - cost)
-                    });
-                }
-                // A direct decision, or a grant that could not cover the cost.
-                self.install(slot, &mut st, g, now, 0);
-                let o = g.decision.as_ref().map_or_else(
-                    || Outcome::rejected(Reason::LimiterUnavailable, 0, Source::Owner),
-                    from_owner,
-                );
-                let hold = duration_nanos(g.hold.as_ref()).max(st.hold);
-                let cap =
-                    (hold / REFUSAL_CAP_SHARE).min(duration_nanos_of(self.config.refusal_cap));
-                st.denied = refusal(&o, now, cost, cap);
-                Ok(o)
-            }
+        // The balance cannot cover the request: what it holds goes back with the call.
+        let (id, unspent) = self.take_lease(slot, &mut st);
+        let answer = self.call(vec![self.item(slot, id, unspent, want, cost, demand)]).await;
+        let now_back = self.clock.now();
+        let reply = match answer {
+            Ok(grants) => grants.last().cloned(),
             Err(s) if s.code() == tonic::Code::InvalidArgument => {
-                Err(AgentError::Invalid(s.message().to_owned()))
+                return Err(AgentError::Invalid(s.message().to_owned()));
             }
-            Err(_) => Ok(self.fallback(slot.key.route(), cost)),
+            Err(_) => None,
+        };
+        // An answer without the grant asked for is the owner's fault: fall back.
+        let Some(g) = reply else {
+            self.schedule.at(slot, self.next_due(slot, &st, now_back));
+            return Ok(self.fallback(slot.key.route(), cost));
+        };
+        if let Some(p) = &g.on_failure {
+            self.routes.lock().insert(slot.key.route().into(), failure_policy(p));
         }
+        let o = if g.mode() != pb::LeaseMode::Direct && g.units >= cost && g.units > 0 {
+            self.install(slot, &mut st, &g, now, cost);
+            st.denied = g.decision.as_ref().and_then(|d| self.rationed(&from_owner(d), now));
+            Outcome { source: Source::Granted, ..Outcome::local(g.units - cost) }
+        } else {
+            // A direct decision, or a grant that could not cover the cost.
+            st.mode = if g.mode() == pb::LeaseMode::Direct { Mode::Direct } else { Mode::Leased };
+            let o = g.decision.as_ref().map_or_else(
+                || Outcome::rejected(Reason::LimiterUnavailable, 0, Source::Owner),
+                from_owner,
+            );
+            let hold = duration_nanos(g.hold.as_ref()).max(st.hold);
+            let cap = (hold / REFUSAL_CAP_SHARE)
+                .min(duration_nanos_of(self.config.refusal_cap))
+                .min(nanos(self.config.renew_interval));
+            st.denied = refusal(&o, now, cost, cap).map(Box::new);
+            o
+        };
+        self.schedule.at(slot, self.next_due(slot, &st, now_back));
+        Ok(o)
     }
 }
 
@@ -314,18 +431,23 @@ impl Inner {
 /// the wait. A failure policy's refusal, an unknown tenant or an admission leaves
 /// nothing.
 fn refusal(o: &Outcome, now: Nanos, cost: u64, cap: Nanos) -> Option<Refusal<Outcome>> {
-    let by_a_limit = matches!(
-        o.reason,
-        Some(
-            Reason::GlobalCeiling
-                | Reason::RouteLimit
-                | Reason::TenantLimit
-                | Reason::TenantRouteLimit
-                | Reason::KeyLimit
-        )
-    );
-    (!o.allowed && by_a_limit && o.retry_after > 0 && cap > 0)
+    (by_a_limit(o) && o.retry_after > 0 && cap > 0)
         .then(|| Refusal::new(now, o.retry_after, cap, cost, o.clone()))
+}
+
+/// Whether `o` is a refusal by one of the policy's limits.
+fn by_a_limit(o: &Outcome) -> bool {
+    !o.allowed
+        && matches!(
+            o.reason,
+            Some(
+                Reason::GlobalCeiling
+                    | Reason::RouteLimit
+                    | Reason::TenantLimit
+                    | Reason::TenantRouteLimit
+                    | Reason::KeyLimit
+            )
+        )
 }
 
 fn duration_nanos_of(d: std::time::Duration) -> Nanos {

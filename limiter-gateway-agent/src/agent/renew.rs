@@ -1,13 +1,16 @@
 //! The background tasks: the renewer (one call per owner carrying every due key) and the topology watcher.
 
 use super::*;
-use limiter_core::clock::Nanos;
+use limiter_core::clock::{NANOS_PER_SEC, Nanos};
+use limiter_proto::limiter::v1 as pb;
+use std::sync::atomic::Ordering;
 use std::sync::{Arc, Weak};
 use std::time::Duration;
 use tokio_util::sync::CancellationToken;
 
 /// The background renewer: one call in flight to the owner at a time, carrying
-/// every key that is due (low on units, half way through its lease, or idle).
+/// every key that is due (low on units, near its grant's end, rationed, or idle).
+/// It sleeps a jittered round or until the schedule's first key is due.
 pub(super) async fn renew_loop(
     inner: Weak<Inner>,
     wake: Arc<tokio::sync::Notify>,
@@ -26,8 +29,6 @@ pub(super) async fn renew_loop(
         jitter ^= jitter >> 7;
         jitter ^= jitter << 17;
         let mut wait = interval - interval / 10 + jitter % (interval / 5).max(1);
-        // Short leases (a sliding log's, a grant near a window's end) are renewed half
-        // way through, before they lapse with units in them.
         if let Some(due) = next_due {
             wait = wait.min(due.saturating_sub(now).max(1_000_000));
         }
@@ -81,63 +82,117 @@ pub(super) async fn topology_loop(
     }
 }
 
-/// Renews (or returns) every due key in one call; returns when the next key falls due.
+/// The most keys one round takes from the schedule (the rest wait for the next).
+const MOST_PER_ROUND: usize = 5_000;
+
+/// One round: every key that ran low or falls due within a twentieth of a round (so
+/// that keys due together share a call) is renewed (a top-up: its balance keeps
+/// serving while the call is out), given back (idle) or forgotten (long idle, holding
+/// nothing), in one call per owner. Returns when the schedule's next key is due
+/// (`None` while the owner is out of reach: the next round is a whole one away).
 pub(super) async fn renew_due(inner: &Inner) -> Option<Nanos> {
     let now = inner.clock.now();
     if !inner.breaker.allow(now) {
         return None;
     }
-    let mut next_due: Option<Nanos> = None;
+    let interval = nanos(inner.config.renew_interval);
     let idle_after = nanos(inner.config.idle_after);
-    let slots = inner.slots.all();
-    let mut batch = Vec::new();
+    let slots = inner.schedule.take_due(now + interval / 20, MOST_PER_ROUND);
     let mut forgotten = Vec::new();
+    let mut items = Vec::new();
+    // Per key: its lease state, the index of its renewal item (if it renews), and
+    // the replaced lease that item settles (kept if the call fails).
+    let mut work = Vec::new();
     for slot in &slots {
-        let Ok(mut st) = slot.lease.clone().try_lock_owned() else { continue };
+        let Ok(mut st) = slot.lease.try_lock() else {
+            // Its own call is out: looked at again next round.
+            inner.schedule.at(slot, now + interval);
+            continue;
+        };
+        let unused = now.saturating_sub(slot.balance.last_used());
         if st.lease_id == 0 {
-            // Long idle and holding nothing: forget the key (bounded memory).
-            if now.saturating_sub(slot.balance.last_used()) > FORGET_AFTER_IDLE * idle_after
-                && slot.balance.units() == 0
-            {
+            if unused > FORGET_AFTER_IDLE * idle_after && slot.balance.units() == 0 {
                 forgotten.push(slot.clone());
+            } else {
+                inner.schedule.at(slot, inner.next_due(slot, &st, now));
             }
             continue;
         }
-        let idle = now.saturating_sub(slot.balance.last_used()) > idle_after;
-        let half_way = now.saturating_sub(st.sent_at) > st.hold / 2;
-        let expired = now >= slot.balance.deadline();
-        if !(idle || half_way || expired || slot.balance.renew_wanted()) {
-            let due = st.sent_at + st.hold / 2;
-            next_due = Some(next_due.map_or(due, |d| d.min(due)));
+        if unused > idle_after || st.mode == Mode::Direct {
+            items.extend(inner.give_back(slot, &mut st));
+            work.push((slot, st, None));
             continue;
         }
-        let unspent = slot.balance.take();
-        let spent = st.installed.saturating_sub(unspent);
-        let demand = st.demand(now, spent);
-        let want = if idle { 0 } else { inner.want(demand, 1) };
-        let item =
-            inner.item(slot, st.lease_id, if expired { 0 } else { unspent }, want, 0, demand);
-        st.lease_id = 0;
-        batch.push((slot.clone(), st, item));
-        if batch.len() >= 100 {
-            break;
-        }
+        let demand = st.demand(now, slot.balance.units(), 0);
+        inner.tenant_demand(slot.key.parts().0, demand);
+        let want = inner.want(demand, 1);
+        let (id, unspent) = if inner.short(&st) || now >= slot.balance.deadline() {
+            // Given back and replaced in one item (requests wait for the answer): a
+            // hold too short to top up, or one that has lapsed.
+            inner.take_lease(slot, &mut st)
+        } else {
+            // A top-up: the units the key spends while the call is out stay here as
+            // spare units (settled as spent), the rest go back with the renewal.
+            // What the key spends in the call's time, rounded down: a slow key keeps
+            // none (a unit it kept and did not spend would be lost, settled as spent),
+            // and its rare request while the call is out waits for the answer.
+            let rtt = inner.rtt.load(Ordering::Relaxed);
+            let span = u128::from(4 * rtt + 2_000_000);
+            let reserve = u128::from(demand) * span / u128::from(NANOS_PER_SEC);
+            let reserve = u64::try_from(reserve).unwrap_or(u64::MAX);
+            let unspent = slot.balance.set_aside(now, reserve);
+            st.counted = slot.balance.units();
+            (std::mem::take(&mut st.lease_id), unspent)
+        };
+        items.push(inner.item(slot, id, unspent, want, 0, demand));
+        work.push((slot, st, Some(items.len() - 1)));
     }
     if !forgotten.is_empty() {
         inner.slots.remove(&forgotten);
     }
-    if batch.is_empty() {
-        return next_due;
+    if items.is_empty() {
+        return inner.schedule.next();
     }
-    let items = batch.iter().map(|(_, _, i)| i.clone()).collect();
-    if let Ok(grants) = inner.call(items).await {
-        for ((slot, mut st, _), g) in batch.into_iter().zip(&grants) {
-            inner.install(&slot, &mut st, g, now, 0);
-            if st.lease_id != 0 {
-                let due = st.sent_at + st.hold / 2;
-                next_due = Some(next_due.map_or(due, |d| d.min(due)));
+    let answer = inner.call(items).await;
+    let back = inner.clock.now();
+    match answer {
+        Ok(grants) => {
+            for (slot, mut st, renewal) in work {
+                if let Some(g) = renewal.and_then(|i| grants.get(i)) {
+                    inner.renewed(slot, &mut st, g, now);
+                }
+                inner.schedule.at(slot, inner.next_due(slot, &st, back));
+            }
+        }
+        Err(_) => {
+            // What was given back is lost with the call (its owner writes it off);
+            // the keys ask again next round.
+            for (slot, _, _) in work {
+                inner.schedule.at(slot, back + interval);
             }
         }
     }
-    next_due
+    inner.schedule.next()
+}
+
+impl Inner {
+    /// Applies a renewal's answer: a grant installed, or a share of nothing or a
+    /// direct-mode answer (the spare units keep serving), and the limit that cut a
+    /// share kept to refuse with.
+    fn renewed(&self, slot: &Arc<Slot>, st: &mut LeaseState, g: &pb::LeaseGrant, sent_at: Nanos) {
+        if let Some(p) = &g.on_failure {
+            self.routes.lock().insert(slot.key.route().into(), failure_policy(p));
+        }
+        let cut = g.decision.as_ref().and_then(|d| self.rationed(&from_owner(d), sent_at));
+        if g.mode() == pb::LeaseMode::Direct {
+            st.mode = Mode::Direct;
+            st.denied = None;
+        } else if g.units > 0 {
+            self.install(slot, st, g, sent_at, 0);
+            st.denied = cut;
+        } else {
+            st.mode = Mode::Leased;
+            st.denied = cut;
+        }
+    }
 }

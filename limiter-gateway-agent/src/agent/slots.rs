@@ -10,6 +10,7 @@ use parking_lot::Mutex;
 use std::collections::HashMap;
 use std::hash::Hash;
 use std::sync::Arc;
+use std::sync::atomic::AtomicU64;
 
 /// A key's names in one allocation: `tenant`, `route` and `key` back to back.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -70,30 +71,37 @@ pub(super) enum Mode {
 }
 
 /// The slow-path side of a key's lease (behind an async mutex: one owner call per
-/// key at a time).
+/// key at a time; the balance keeps serving while a renewal is in flight).
 #[derive(Debug, Default)]
 pub(super) struct LeaseState {
+    /// The lease whose units the balance holds (0: none).
     pub(super) lease_id: u64,
-    /// Units installed in the balance by the current grant (spent = installed - taken).
-    pub(super) installed: u64,
+    /// Units in the balance when they were last counted (spent since = this - now).
+    pub(super) counted: u64,
     pub(super) sent_at: Nanos,
     pub(super) hold: Nanos,
     pub(super) mode: Mode,
-    /// The key's demand (the holder's estimate, `limiter_core::holder`).
+    /// The key's demand (the holder's estimate, `limiter_core::holder`): units spent,
+    /// and units refused here while the key was rationed.
     pub(super) demand: Demand,
-    /// The owner's last refusal of a request of this key: it answers like requests
-    /// here until it lapses (`limiter_core::holder::Refusal`).
-    pub(super) denied: Option<Refusal<Outcome>>,
+    /// The owner's last refusal of a request of this key, or the limit that cut its
+    /// last grant: it answers like requests here (once the balance is spent) until
+    /// it lapses (`limiter_core::holder::Refusal`).
+    pub(super) denied: Option<Box<Refusal<Outcome>>>,
+    /// The current grant ends with a window: renewed once the next has begun.
+    pub(super) window_end: bool,
 }
 
 /// A key idle this many times `idle_after`, holding nothing, is forgotten.
 pub(super) const FORGET_AFTER_IDLE: u64 = 30;
 
 impl LeaseState {
-    /// Counts `spent` units since the last renewal into the demand estimate, as of
-    /// `now`, and returns it.
-    pub(super) fn demand(&mut self, now: Nanos, spent: u64) -> u64 {
-        self.demand.spend(spent);
+    /// Counts what was spent from the balance since it was last counted (`units` are
+    /// left now) into the demand estimate, with `more` units wanted besides, and
+    /// returns the estimate as of `now`.
+    pub(super) fn demand(&mut self, now: Nanos, units: u64, more: u64) -> u64 {
+        self.demand.spend(self.counted.saturating_sub(units) + more);
+        self.counted = units;
         self.demand.update(now)
     }
 }
@@ -102,7 +110,10 @@ impl LeaseState {
 pub(super) struct Slot {
     pub(super) balance: Balance,
     pub(super) key: SlotKey,
-    pub(super) lease: Arc<tokio::sync::Mutex<LeaseState>>,
+    /// When the renewer is to look at the key next (the entry of the schedule that
+    /// counts; 0: none).
+    pub(super) due: AtomicU64,
+    pub(super) lease: tokio::sync::Mutex<LeaseState>,
 }
 
 pub(super) type SlotMap = hashbrown::HashTable<Arc<Slot>>;
@@ -140,11 +151,11 @@ impl Slots {
         &self.shards[(hash >> 58) as usize % SHARDS]
     }
 
-    /// Applies `f` to the key's slot, if there is one, without taking a reference.
+    /// Applies `f` to the key's slot, if there is one.
     #[inline]
-    pub(super) fn with<T>(&self, r: &SlotRef<'_>, f: impl FnOnce(&Slot) -> T) -> Option<T> {
+    pub(super) fn with<T>(&self, r: &SlotRef<'_>, f: impl FnOnce(&Arc<Slot>) -> T) -> Option<T> {
         let hash = self.hash(r);
-        self.shard(hash).load().find(hash, |s| r.matches(&s.key)).map(|s| f(s))
+        self.shard(hash).load().find(hash, |s| r.matches(&s.key)).map(f)
     }
 
     pub(super) fn get_or_insert(&self, r: &SlotRef<'_>, make: impl FnOnce() -> Slot) -> Arc<Slot> {

@@ -11,15 +11,19 @@
 //! - Size: what the agent wants (about two renewal intervals of its demand), at least
 //!   the waiting request's cost, at most the route's `max_batch`, at most what its
 //!   demand can spend before the grant ends (a window's end), and at most half of what
-//!   is left (near the limit, below a fifth of capacity: half of it shared among the
-//!   active agents), so no more than half the remaining budget can be stranded.
-//! - Direct mode: when what is left is less than one request's cost for each active
-//!   agent (or the route asks for exact mode), the owner grants nothing to hold and
-//!   decides each waiting request itself.
+//!   is left, so no more than half the remaining budget can be stranded. When what is
+//!   left cannot cover what every active agent of the chain asked for, each gets a
+//!   part in proportion to its ask (`limiter_core::lease::share`); a grant cut short
+//!   carries the binding limit, so the agent refuses locally once it is spent, until
+//!   its next renewal.
+//! - Direct mode: when the chain's tightest capacity is less than two requests' cost
+//!   for each active agent (a budget too small to split), or the route asks for exact
+//!   mode, the owner grants nothing to hold and decides each waiting request itself.
 
+use limiter_core::Limit;
 use limiter_core::algorithm::Algorithm;
 use limiter_core::clock::{NANOS_PER_SEC, Nanos};
-use limiter_core::lease::{Ask, LeaseRecord, Settled};
+use limiter_core::lease::{Ask, LeaseRecord, Settled, Shares};
 use limiter_core::policy::{Chain, FailurePolicy, Request};
 use limiter_proto::limiter::v1 as pb;
 
@@ -35,7 +39,7 @@ use crate::store::{Leased, Renewal, Returned};
 mod book;
 
 pub use self::book::Leases;
-use self::book::holder;
+use self::book::{chain_id, holder};
 
 fn failure_policy(p: FailurePolicy) -> pb::FailurePolicy {
     match p {
@@ -87,11 +91,10 @@ impl Owner {
             return Err((0, ServerError::invalid("agent_id", "must not be empty")));
         }
         let holder = holder(agent);
-        let active = self.leases().active_agents(holder, self.clock().now());
         let policy = self.policies().current();
         let mut grants = Vec::with_capacity(items.len());
         for (i, item) in items.iter().enumerate() {
-            grants.push(self.lease_item(holder, active, &policy, item).await.map_err(|e| (i, e))?);
+            grants.push(self.lease_item(holder, &policy, item).await.map_err(|e| (i, e))?);
         }
         Ok(grants)
     }
@@ -100,7 +103,6 @@ impl Owner {
     async fn lease_item(
         &self,
         holder: u64,
-        active: u64,
         policy: &ActivePolicy,
         item: &pb::LeaseItem,
     ) -> Result<pb::LeaseGrant, ServerError> {
@@ -135,6 +137,7 @@ impl Owner {
             ..Default::default()
         };
         if item.want == 0 && item.cost == 0 {
+            self.leases().shares(chain_id(item), holder, 0, now);
             self.give_back(&chain, now, back).await?;
             return Ok(grant);
         }
@@ -187,8 +190,13 @@ impl Owner {
             hold: chain.grant_hold(now, ttl),
             most: if slice_of.is_some() { u64::MAX } else { chain.route.lease.max_batch.get() },
         };
-        // A node's slice never goes direct: the root owner refuses instead.
-        let renewal = Renewal { back, ask, active: if slice_of.is_some() { 0 } else { active } };
+        // A node's slice never goes direct (the root owner refuses instead) and is
+        // not divided with others.
+        let shares = match slice_of {
+            Some(_) => Shares::default(),
+            None => self.leases().shares(chain_id(item), holder, ask.cap().max(ask.cost), now),
+        };
+        let renewal = Renewal { back, ask, shares };
         let (leased, slices_until) = if exact {
             self.give_back(&chain, now, back).await?;
             (Leased::Direct, Nanos::MAX)
@@ -217,6 +225,13 @@ impl Owner {
                 }
                 return Ok(grant);
             }
+            Leased::Short if item.cost == 0 => {
+                // A renewal whose share is nothing: the binding limit, for the agent
+                // to refuse with until its next renewal.
+                drop(held);
+                grant.decision = self.shortfall(&chain, now, ask.cap());
+                return Ok(grant);
+            }
             Leased::Short => {
                 // Not enough to hold: the waiting request is decided here (charged if
                 // it fits), as in direct mode.
@@ -243,6 +258,12 @@ impl Owner {
         if let (false, Some(c)) = (slices.is_empty(), self.shared()) {
             c.slices().funded(id, &slices.keys, slices_until);
         }
+        // Cut short of the ask near the limit: the limit that cut it, for the agent to
+        // refuse with once the grant is spent.
+        if slice_of.is_none() && g.units < ask.cap() {
+            grant.decision = self.shortfall(&chain, now, ask.cap() - g.units);
+        }
+        grant.window_end = ends_with_window(&chain, now, g.hold);
         grant.lease_id = id;
         grant.units = g.units;
         grant.hold = Some(convert::duration(g.hold));
@@ -392,6 +413,29 @@ impl Owner {
         self.response(decision, now)
     }
 
+    /// Why a grant fell `missing` units short of what its holder asked for near the
+    /// limit, once nothing is left: the binding limit and when the missing units would
+    /// fit (dry runs), for the holder to refuse with once its grant is spent. Nothing
+    /// while a unit is left (the holder's next request may have it), or where no dry
+    /// run can tell (Redis).
+    fn shortfall(
+        &self,
+        chain: &Chain<'_>,
+        now: Nanos,
+        missing: u64,
+    ) -> Option<pb::ShouldAllowResponse> {
+        let limiter = self.store().limiter()?;
+        let mut probe = *chain;
+        probe.dry_run = true;
+        probe.cost = 1;
+        if limiter.decide(&probe, now).decision.is_allowed() {
+            return None;
+        }
+        probe.cost = missing.max(1);
+        let decision = limiter.decide(&probe, now).decision;
+        (!decision.is_allowed()).then(|| self.response(decision, now))
+    }
+
     /// The answer carrying `decision`, decided here at `now`, charging nothing.
     fn response(&self, decision: limiter_core::Decision, now: Nanos) -> pb::ShouldAllowResponse {
         let outcome = crate::owner::Outcome {
@@ -404,4 +448,13 @@ impl Owner {
         };
         outcome.response()
     }
+}
+
+/// Whether a grant held for `hold` from `now` ends with a window of one of `chain`'s
+/// levels (a fixed window's or a sliding counter's end cut it).
+fn ends_with_window(chain: &Chain<'_>, now: Nanos, hold: Nanos) -> bool {
+    chain.levels().any(|l| {
+        matches!(*l.rule.limit, Limit::FixedWindow(_) | Limit::SlidingCounter(_))
+            && l.rule.limit.grant_hold(now, Nanos::MAX) <= hold
+    })
 }

@@ -10,7 +10,7 @@ use std::sync::Arc;
 
 use limiter_core::algorithm::Algorithm;
 use limiter_core::clock::{Clock, Nanos};
-use limiter_core::lease::{Ask, goes_direct, grant_size};
+use limiter_core::lease::{Ask, Shares, goes_direct, grant_size};
 use limiter_core::policy::{Chain, LimitRule, Policy, Request};
 use limiter_core::table::{StateTable, TableStats};
 use limiter_core::{Grant, Limiter, Verdict};
@@ -91,17 +91,17 @@ pub struct Renewal {
     pub back: Option<Returned>,
     /// What the new grant is sized from.
     pub ask: Ask,
-    /// Holders with open leases on the chain (0: a node's slice, never direct).
-    pub active: u64,
+    /// Who else asks for the chain (a node's slice: nobody, never direct).
+    pub shares: Shares,
 }
 
 impl Renewal {
     /// What to grant from `remaining` by the grant rule; `None` in direct mode.
     pub(crate) fn size(&self, chain: &Chain<'_>, remaining: u64) -> Option<u64> {
-        if goes_direct(remaining, self.ask.cost, self.active) {
+        if goes_direct(capacity(chain), self.ask.cost, self.shares.active) {
             return None;
         }
-        Some(grant_size(&self.ask, remaining, capacity(chain), self.active))
+        Some(grant_size(&self.ask, remaining, &self.shares))
     }
 
     /// Whether a grant of `units` can be held: at least one, and the waiting request.

@@ -345,7 +345,7 @@ impl RedisStore {
         chain: &Chain<'_>,
         group: (usize, usize),
         now: Nanos,
-        args: [u64; 7],
+        args: [u64; 9],
     ) -> Result<Vec<i64>, ServerError> {
         let started = self.clock.now();
         if !self.breaker.allow(started) {

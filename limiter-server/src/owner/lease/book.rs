@@ -4,7 +4,7 @@ use std::collections::HashMap;
 use std::hash::{BuildHasher, BuildHasherDefault, DefaultHasher};
 
 use limiter_core::clock::{NANOS_PER_SEC, Nanos};
-use limiter_core::lease::{LeaseBook, LeaseRecord};
+use limiter_core::lease::{LeaseBook, LeaseRecord, Shares};
 use limiter_proto::limiter::v1 as pb;
 use parking_lot::Mutex;
 
@@ -13,14 +13,29 @@ use crate::metrics as m;
 /// A chain's identity in the book: tenant, route, key.
 type ChainKey = (Box<str>, Box<str>, Option<Box<str>>);
 
-/// Agents count as active this long after their last call.
+/// A holder counts as active on a chain this long after its last ask for it.
 const ACTIVE_FOR: Nanos = 2 * NANOS_PER_SEC;
+
+/// The most chains whose asks are kept (beyond it, stale ones are dropped first and
+/// then the table is cleared: shares fall back to "plenty left" rules until the
+/// holders ask again), and the most holders counted per chain.
+const MAX_CHAINS: usize = 100_000;
+const MAX_HOLDERS: usize = 256;
+
+/// A holder's last ask for a chain.
+#[derive(Debug, Clone, Copy)]
+struct Asked {
+    holder: u64,
+    cap: u64,
+    seen: Nanos,
+}
 
 /// The owner's lease state.
 #[derive(Debug)]
 pub struct Leases {
     pub(super) book: Mutex<LeaseBook<ChainKey>>,
-    agents: Mutex<HashMap<u64, Nanos>>,
+    /// What each active holder last asked for, by chain (a hash of its names).
+    asks: Mutex<HashMap<u64, Vec<Asked>>>,
 }
 
 impl Default for Leases {
@@ -28,7 +43,7 @@ impl Default for Leases {
         // Ids start at a random point, so leases that move between nodes keep ids
         // no other node has issued.
         let first = std::hash::RandomState::new().hash_one(0u64) >> 2;
-        Self { book: Mutex::new(LeaseBook::starting_at(first)), agents: Mutex::default() }
+        Self { book: Mutex::new(LeaseBook::starting_at(first)), asks: Mutex::default() }
     }
 }
 
@@ -45,6 +60,7 @@ impl Leases {
         let gone = book.expire(now);
         let t = book.totals();
         drop(book);
+        self.forget_stale_asks(now);
         if !gone.is_empty() {
             tracing::debug!(leases = gone.len(), "leases written off at their end");
         }
@@ -103,14 +119,54 @@ impl Leases {
         n
     }
 
-    pub(super) fn active_agents(&self, agent: u64, now: Nanos) -> u64 {
-        let mut agents = self.agents.lock();
-        agents.insert(agent, now);
-        if agents.len() > 1_024 {
-            agents.retain(|_, seen| now.saturating_sub(*seen) < ACTIVE_FOR);
+    /// Records that `holder` asks for `cap` units of `chain` at `now` (0: it gives its
+    /// lease back and asks nothing) and returns who else is asking: what the grant rule
+    /// divides near the limit.
+    pub(super) fn shares(&self, chain: u64, holder: u64, cap: u64, now: Nanos) -> Shares {
+        let fresh = |a: &Asked| now.saturating_sub(a.seen) < ACTIVE_FOR;
+        let mut asks = self.asks.lock();
+        if asks.len() >= MAX_CHAINS && !asks.contains_key(&chain) {
+            asks.retain(|_, v| {
+                v.retain(fresh);
+                !v.is_empty()
+            });
+            if asks.len() >= MAX_CHAINS {
+                asks.clear();
+            }
         }
-        agents.values().filter(|seen| now.saturating_sub(**seen) < ACTIVE_FOR).count() as u64
+        let v = asks.entry(chain).or_default();
+        v.retain(|a| fresh(a) && a.holder != holder);
+        let others: u64 = v.iter().map(|a| a.cap).fold(0, u64::saturating_add);
+        let active = v.len() as u64 + 1;
+        if cap > 0 && v.len() < MAX_HOLDERS {
+            v.push(Asked { holder, cap, seen: now });
+        } else if v.is_empty() {
+            asks.remove(&chain);
+        }
+        // A draw for the share's fraction: the book's ids and the clock, mixed.
+        let mut z = now ^ holder.rotate_left(29) ^ chain.rotate_left(7);
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        Shares { active, others, dice: z ^ (z >> 31) }
     }
+
+    /// Drops the asks of holders not seen for a while.
+    fn forget_stale_asks(&self, now: Nanos) {
+        self.asks.lock().retain(|_, v| {
+            v.retain(|a| now.saturating_sub(a.seen) < ACTIVE_FOR);
+            !v.is_empty()
+        });
+    }
+}
+
+/// A stable id of the chain a lease item names (its names and level).
+pub(super) fn chain_id(item: &pb::LeaseItem) -> u64 {
+    BuildHasherDefault::<DefaultHasher>::default().hash_one((
+        &item.tenant,
+        &item.route,
+        &item.key,
+        item.level,
+    ))
 }
 
 impl crate::cluster::LeaseBook for Leases {

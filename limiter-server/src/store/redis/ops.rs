@@ -21,7 +21,13 @@ impl RedisStore {
         dry_run: bool,
     ) -> Result<Decided, ServerError> {
         let r = self
-            .call("decide", chain, group, now, [chain.cost, u64::from(dry_run), 0, 0, 0, 0, 0])
+            .call(
+                "decide",
+                chain,
+                group,
+                now,
+                [chain.cost, u64::from(dry_run), 0, 0, 0, 0, 0, 0, 0],
+            )
             .await?;
         let get = |i: usize| r.get(i).copied().unwrap_or(0);
         let d = Decided {
@@ -121,8 +127,9 @@ impl RedisStore {
     /// a failure here under-admits, never over-admits).
     async fn give_back(&self, chain: &Chain<'_>, now: Nanos, charged: &[((usize, usize), Nanos)]) {
         for &(group, at) in charged {
-            let _ =
-                self.call("refund", chain, group, now, [chain.cost, us(at), 0, 0, 0, 0, 0]).await;
+            let _ = self
+                .call("refund", chain, group, now, [chain.cost, us(at), 0, 0, 0, 0, 0, 0, 0])
+                .await;
         }
     }
 
@@ -141,7 +148,7 @@ impl RedisStore {
             return Ok(());
         }
         for group in self.groups(chain) {
-            self.call("charge", chain, group, now, [units, 0, 0, 0, 0, 0, 0]).await?;
+            self.call("charge", chain, group, now, [units, 0, 0, 0, 0, 0, 0, 0, 0]).await?;
         }
         Ok(())
     }
@@ -163,8 +170,14 @@ impl RedisStore {
             return Ok(());
         }
         for group in self.groups(chain) {
-            self.call("refund", chain, group, now, [units, us(granted_at), us(hold), 0, 0, 0, 0])
-                .await?;
+            self.call(
+                "refund",
+                chain,
+                group,
+                now,
+                [units, us(granted_at), us(hold), 0, 0, 0, 0, 0, 0],
+            )
+            .await?;
         }
         Ok(())
     }
@@ -197,7 +210,7 @@ impl RedisStore {
                     chain,
                     group,
                     now,
-                    [units, us(hold), need, back.0, us(back.1), us(back.2), 0],
+                    [units, us(hold), need, back.0, us(back.1), us(back.2), 0, 0, 0],
                 )
                 .await;
             let r = match r {
@@ -210,7 +223,7 @@ impl RedisStore {
                                 chain,
                                 *g,
                                 now,
-                                [got.units, us(got.granted_at), us(got.hold), 0, 0, 0, 0],
+                                [got.units, us(got.granted_at), us(got.hold), 0, 0, 0, 0, 0, 0],
                             )
                             .await;
                     }
@@ -258,7 +271,7 @@ impl RedisStore {
                         chain,
                         *g,
                         now,
-                        [got.units - units, us(got.granted_at), us(got.hold), 0, 0, 0, 0],
+                        [got.units - units, us(got.granted_at), us(got.hold), 0, 0, 0, 0, 0, 0],
                     )
                     .await;
             }
@@ -325,7 +338,9 @@ impl RedisStore {
             back.units,
             us(back.granted_at),
             us(back.hold),
-            renewal.active,
+            renewal.shares.active,
+            renewal.shares.others,
+            renewal.shares.dice >> 32,
         ];
         let r = self.call("lease", chain, group, now, args).await?;
         let &[granted, units, at, hold, binding] = r.as_slice() else {
@@ -366,7 +381,7 @@ impl RedisStore {
         }
         let mut least = u64::MAX;
         for group in self.groups(chain) {
-            let r = self.call("remaining", chain, group, now, [0; 7]).await?;
+            let r = self.call("remaining", chain, group, now, [0; 9]).await?;
             least = least.min(u64::try_from(r.first().copied().unwrap_or(0)).unwrap_or(0));
         }
         Ok(least)

@@ -433,15 +433,40 @@ impl Owner {
         }
         probe.cost = missing.max(1);
         let decision = limiter.decide(&probe, now).decision;
-        (!decision.is_allowed()).then(|| self.response(decision, now))
+        (!decision.is_allowed()).then(|| self.named(chain, decision, now))
+    }
+
+    /// The answer carrying `decision` by one of `chain`'s levels, naming its limit.
+    fn named(
+        &self,
+        chain: &Chain<'_>,
+        decision: limiter_core::Decision,
+        now: Nanos,
+    ) -> pb::ShouldAllowResponse {
+        let name = match decision {
+            limiter_core::Decision::Rejected { scope, .. } => {
+                chain.levels().find(|l| l.scope == scope).map(|l| l.rule.name.clone())
+            }
+            limiter_core::Decision::Allowed { .. } => None,
+        };
+        self.outcome(decision, name, now)
     }
 
     /// The answer carrying `decision`, decided here at `now`, charging nothing.
     fn response(&self, decision: limiter_core::Decision, now: Nanos) -> pb::ShouldAllowResponse {
+        self.outcome(decision, None, now)
+    }
+
+    fn outcome(
+        &self,
+        decision: limiter_core::Decision,
+        limit_name: Option<std::sync::Arc<str>>,
+        now: Nanos,
+    ) -> pb::ShouldAllowResponse {
         let outcome = crate::owner::Outcome {
             verdict: limiter_core::Verdict { decision, shadow: false },
             charged: 0,
-            limit_name: None,
+            limit_name,
             policy_version: self.policies().current().version,
             charged_at: crate::store::Charged { at: now, hold: 0 },
             ticket: None,

@@ -16,7 +16,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::config::AgentConfig;
 use crate::error::AgentError;
-use crate::slot::{Balance, Spend};
+use crate::slot::Spend;
 
 mod answer;
 mod clock;
@@ -215,16 +215,32 @@ impl Agent {
 
     fn slot(&self, req: &AgentRequest<'_>) -> Arc<Slot> {
         let r = SlotRef { tenant: req.tenant, route: req.route, key: req.key.unwrap_or("") };
-        self.inner.slots.get_or_insert(&r, || {
-            let slot = Slot {
-                key: SlotKey::new(req.tenant, req.route, r.key),
-                balance: Balance::default(),
-                due: AtomicU64::new(0),
-                lease: tokio::sync::Mutex::default(),
-            };
-            slot.balance.touch(self.inner.clock.now());
-            slot
-        })
+        self.inner
+            .slots
+            .get_or_insert(&r, || Slot::new(req.tenant, req.route, r.key, self.inner.clock.now()))
+    }
+
+    /// Inserts `n` keys of `tenant` and `route` (`key-00000000`, ...) that hold
+    /// nothing, as keys do once their leases went back and before they are forgotten,
+    /// each in the renewer's schedule; returns the bytes of their names. For measuring
+    /// what idle keys cost (`benches/idle_keys.rs`), not for serving.
+    #[doc(hidden)]
+    pub fn preload_idle_keys(&self, tenant: &str, route: &str, n: usize) -> usize {
+        let now = self.inner.clock.now();
+        let mut bytes = 0;
+        let slots: Vec<Arc<Slot>> = (0..n)
+            .map(|i| {
+                let key = format!("key-{i:08}");
+                bytes += tenant.len() + route.len() + key.len();
+                Arc::new(Slot::new(tenant, route, &key, now))
+            })
+            .collect();
+        let idle = LeaseState::default();
+        for slot in &slots {
+            self.inner.schedule.at(slot, self.inner.next_due(slot, &idle, now));
+        }
+        self.inner.slots.extend(slots);
+        bytes
     }
 
     /// Gives every held balance back to the owner (a stopping gateway).

@@ -116,6 +116,20 @@ pub(super) struct Slot {
     pub(super) lease: tokio::sync::Mutex<LeaseState>,
 }
 
+impl Slot {
+    /// A key seen at `now` for the first time: nothing held, nothing known.
+    pub(super) fn new(tenant: &str, route: &str, key: &str, now: Nanos) -> Self {
+        let slot = Self {
+            key: SlotKey::new(tenant, route, key),
+            balance: Balance::default(),
+            due: AtomicU64::new(0),
+            lease: tokio::sync::Mutex::default(),
+        };
+        slot.balance.touch(now);
+        slot
+    }
+}
+
 pub(super) type SlotMap = hashbrown::HashTable<Arc<Slot>>;
 
 /// Shards of the key map: a read is a lock-free load of one shard's map; a new key
@@ -174,6 +188,30 @@ impl Slots {
         next.insert_unique(hash, slot.clone(), |s| self.hash(&s.key.as_ref()));
         shard.store(Arc::new(next));
         slot
+    }
+
+    /// Inserts many new slots at once (one copy of each shard they fall in); a key
+    /// already held keeps its slot.
+    pub(super) fn extend(&self, new: Vec<Arc<Slot>>) {
+        let mut by_shard: Vec<Vec<(u64, Arc<Slot>)>> = (0..SHARDS).map(|_| Vec::new()).collect();
+        for s in new {
+            let hash = self.hash(&s.key.as_ref());
+            by_shard[(hash >> 58) as usize % SHARDS].push((hash, s));
+        }
+        let _w = self.write.lock();
+        for (i, add) in by_shard.into_iter().enumerate() {
+            if add.is_empty() {
+                continue;
+            }
+            let mut next = SlotMap::clone(&self.shards[i].load_full());
+            next.reserve(add.len(), |s| self.hash(&s.key.as_ref()));
+            for (hash, s) in add {
+                if next.find(hash, |x| x.key == s.key).is_none() {
+                    next.insert_unique(hash, s, |x| self.hash(&x.key.as_ref()));
+                }
+            }
+            self.shards[i].store(Arc::new(next));
+        }
     }
 
     pub(super) fn all(&self) -> Vec<Arc<Slot>> {

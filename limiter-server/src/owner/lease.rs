@@ -23,7 +23,7 @@
 use limiter_core::Limit;
 use limiter_core::algorithm::Algorithm;
 use limiter_core::clock::{NANOS_PER_SEC, Nanos};
-use limiter_core::lease::{Ask, LeaseRecord, Settled, Shares};
+use limiter_core::lease::{Ask, LeaseRecord, Settled, Shares, goes_direct};
 use limiter_core::policy::{Chain, FailurePolicy, Request};
 use limiter_proto::limiter::v1 as pb;
 
@@ -34,7 +34,7 @@ use crate::error::ServerError;
 use crate::metrics::Api;
 use crate::owner::reload::ActivePolicy;
 use crate::owner::{Charge, Outcome, Owner, Reach, Report};
-use crate::store::{Leased, Renewal, Returned};
+use crate::store::{Leased, Renewal, Returned, capacity};
 
 mod book;
 
@@ -192,10 +192,35 @@ impl Owner {
         };
         // A node's slice never goes direct (the root owner refuses instead) and is
         // not divided with others.
+        let cid = chain_id(item);
         let shares = match slice_of {
             Some(_) => Shares::default(),
-            None => self.leases().shares(chain_id(item), holder, ask.cap().max(ask.cost), now),
+            None => self.leases().shares(cid, holder, ask.cap().max(ask.cost), now),
         };
+        // Near the limit, a holder past its fair share (by ask) is refused for a few
+        // milliseconds, until the others have had theirs: on a tenant's own token
+        // buckets only (a unit kept from it stays in the bucket, where a window's
+        // would be lost at its end; root levels are shared with other nodes' slices,
+        // which this book does not weigh), and budgets large enough to lease.
+        let split = !goes_direct(capacity(&chain), ask.cost, shares.active);
+        let own_buckets = chain
+            .levels()
+            .all(|l| matches!(*l.rule.limit, Limit::TokenBucket(_)) && !is_root(l.scope));
+        if slice_of.is_none()
+            && !exact
+            && split
+            && own_buckets
+            && let Some(wait) = self.leases().past_share(cid, holder, now)
+        {
+            // Only while what is left cannot cover the asks: units nobody else is
+            // asking for are not kept from it.
+            let asked = ask.cap().max(ask.cost).saturating_add(shares.others);
+            if self.store().remaining(&chain, now).await? < asked {
+                self.give_back(&chain, now, back).await?;
+                grant.decision = Some(self.refusal(&chain, now, wait));
+                return Ok(grant);
+            }
+        }
         let renewal = Renewal { back, ask, shares };
         let (leased, slices_until) = if exact {
             self.give_back(&chain, now, back).await?;
@@ -221,6 +246,9 @@ impl Owner {
                         .decide(Api::Lease, std::slice::from_ref(&req), Charge::Each, Report::Now)
                         .await
                         .map_err(|(_, e)| e)?;
+                    if let Some(o) = outcome.first() {
+                        self.leases().granted(cid, holder, o.charged, now);
+                    }
                     grant.decision = outcome.first().map(Outcome::response);
                 }
                 return Ok(grant);
@@ -228,6 +256,7 @@ impl Owner {
             Leased::Short if item.cost == 0 => {
                 // A renewal whose share is nothing: the binding limit, for the agent
                 // to refuse with until its next renewal.
+                self.leases().cut(cid, now);
                 drop(held);
                 grant.decision = self.shortfall(&chain, now, ask.cap());
                 return Ok(grant);
@@ -236,11 +265,15 @@ impl Owner {
                 // Not enough to hold: the waiting request is decided here (charged if
                 // it fits), as in direct mode.
                 drop(held);
+                self.leases().cut(cid, now);
                 let probe = Request { dry_run: item.cost == 0, ..req };
                 let outcome = self
                     .decide(Api::Lease, &[probe], Charge::Each, Report::Now)
                     .await
                     .map_err(|(_, e)| e)?;
+                if let Some(o) = outcome.first() {
+                    self.leases().granted(cid, holder, o.charged, now);
+                }
                 grant.decision = outcome.first().map(Outcome::response);
                 return Ok(grant);
             }
@@ -260,8 +293,12 @@ impl Owner {
         }
         // Cut short of the ask near the limit: the limit that cut it, for the agent to
         // refuse with once the grant is spent.
-        if slice_of.is_none() && g.units < ask.cap() {
-            grant.decision = self.shortfall(&chain, now, ask.cap() - g.units);
+        if slice_of.is_none() {
+            self.leases().granted(cid, holder, g.units, now);
+            if g.units < ask.cap() {
+                self.leases().cut(cid, now);
+                grant.decision = self.shortfall(&chain, now, ask.cap() - g.units);
+            }
         }
         grant.window_end = ends_with_window(&chain, now, g.hold);
         grant.lease_id = id;
@@ -410,7 +447,7 @@ impl Owner {
                 }
             }
         };
-        self.response(decision, now)
+        self.named(chain, decision, now)
     }
 
     /// Why a grant fell `missing` units short of what its holder asked for near the

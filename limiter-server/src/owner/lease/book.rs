@@ -22,12 +22,36 @@ const ACTIVE_FOR: Nanos = 2 * NANOS_PER_SEC;
 const MAX_CHAINS: usize = 100_000;
 const MAX_HOLDERS: usize = 256;
 
-/// A holder's last ask for a chain.
+/// How long a chain counts as near its limit after a grant for it was cut short.
+const NEAR_FOR: Nanos = NANOS_PER_SEC;
+
+/// The half-life of the units granted per holder that fair shares compare.
+const GRANTED_HALF_LIFE: Nanos = NANOS_PER_SEC;
+
+/// A holder's last ask for a chain, and what it was granted lately.
 #[derive(Debug, Clone, Copy)]
 struct Asked {
     holder: u64,
     cap: u64,
     seen: Nanos,
+    /// Units granted, decayed by half every `GRANTED_HALF_LIFE` since `at`.
+    granted: f64,
+    at: Nanos,
+}
+
+impl Asked {
+    fn granted_at(&self, now: Nanos) -> f64 {
+        #[allow(clippy::cast_precision_loss)] // a ratio of nanoseconds
+        let halves = now.saturating_sub(self.at) as f64 / GRANTED_HALF_LIFE as f64;
+        self.granted * 0.5f64.powf(halves)
+    }
+}
+
+/// The active holders of one chain, and when a grant for it was last cut short.
+#[derive(Debug, Default)]
+struct ChainAsks {
+    holders: Vec<Asked>,
+    cut_at: Option<Nanos>,
 }
 
 /// The owner's lease state.
@@ -35,7 +59,7 @@ struct Asked {
 pub struct Leases {
     pub(super) book: Mutex<LeaseBook<ChainKey>>,
     /// What each active holder last asked for, by chain (a hash of its names).
-    asks: Mutex<HashMap<u64, Vec<Asked>>>,
+    asks: Mutex<HashMap<u64, ChainAsks>>,
 }
 
 impl Default for Leases {
@@ -126,21 +150,35 @@ impl Leases {
         let fresh = |a: &Asked| now.saturating_sub(a.seen) < ACTIVE_FOR;
         let mut asks = self.asks.lock();
         if asks.len() >= MAX_CHAINS && !asks.contains_key(&chain) {
-            asks.retain(|_, v| {
-                v.retain(fresh);
-                !v.is_empty()
+            asks.retain(|_, e| {
+                e.holders.retain(fresh);
+                !e.holders.is_empty()
             });
             if asks.len() >= MAX_CHAINS {
                 asks.clear();
             }
         }
-        let v = asks.entry(chain).or_default();
-        v.retain(|a| fresh(a) && a.holder != holder);
-        let others: u64 = v.iter().map(|a| a.cap).fold(0, u64::saturating_add);
-        let active = v.len() as u64 + 1;
-        if cap > 0 && v.len() < MAX_HOLDERS {
-            v.push(Asked { holder, cap, seen: now });
-        } else if v.is_empty() {
+        let e = asks.entry(chain).or_default();
+        e.holders.retain(fresh);
+        let others: u64 = e
+            .holders
+            .iter()
+            .filter(|a| a.holder != holder)
+            .map(|a| a.cap)
+            .fold(0, u64::saturating_add);
+        let mine = e.holders.iter().position(|a| a.holder == holder);
+        let active = (e.holders.len() - usize::from(mine.is_some())) as u64 + 1;
+        match mine {
+            Some(i) if cap > 0 => (e.holders[i].cap, e.holders[i].seen) = (cap, now),
+            Some(i) => {
+                e.holders.swap_remove(i);
+            }
+            None if cap > 0 && e.holders.len() < MAX_HOLDERS => {
+                e.holders.push(Asked { holder, cap, seen: now, granted: 0.0, at: now });
+            }
+            None => {}
+        }
+        if e.holders.is_empty() {
             asks.remove(&chain);
         }
         // A draw for the share's fraction: the book's ids and the clock, mixed.
@@ -150,11 +188,64 @@ impl Leases {
         Shares { active, others, dice: z ^ (z >> 31) }
     }
 
+    /// Whether `holder` is past its fair share of `chain` at `now`: near the limit (a
+    /// grant was cut short within `NEAR_FOR`), the units granted to it lately
+    /// (decayed) exceed its ask's part of all the asks times all the units granted.
+    /// `Some(wait)`: about when its share has grown by a unit; `None`: it may be
+    /// granted.
+    pub(super) fn past_share(&self, chain: u64, holder: u64, now: Nanos) -> Option<Nanos> {
+        let asks = self.asks.lock();
+        let e = asks.get(&chain)?;
+        if e.holders.len() < 2 || now.saturating_sub(e.cut_at?) >= NEAR_FOR {
+            return None;
+        }
+        let me = e.holders.iter().find(|a| a.holder == holder)?;
+        #[allow(clippy::cast_precision_loss)] // unit counts, compared
+        let fair = me.cap as f64 / e.holders.iter().map(|a| a.cap as f64).sum::<f64>();
+        let total: f64 = e.holders.iter().map(|a| a.granted_at(now)).sum();
+        // A twentieth of its share of slack: holders about at their share are not
+        // held back (units kept in the bucket wait for a holder that may come late).
+        let over = me.granted_at(now) - fair * total;
+        if over <= 0.05 * fair * total {
+            return None;
+        }
+        // Decayed by half a second at a time, the total is about 1.44 s of the rate
+        // granted; the holder's share of that rate pays back `over`.
+        let rate = fair * total / std::f64::consts::LOG2_E;
+        #[allow(
+            clippy::cast_possible_truncation,
+            clippy::cast_sign_loss,
+            clippy::cast_precision_loss
+        )]
+        let wait = (over / rate.max(1e-9) * NANOS_PER_SEC as f64) as Nanos;
+        Some(wait.clamp(1_000_000, NANOS_PER_SEC / 20))
+    }
+
+    /// Counts `units` granted (or charged for a request) to `holder` on `chain`.
+    pub(super) fn granted(&self, chain: u64, holder: u64, units: u64, now: Nanos) {
+        let mut asks = self.asks.lock();
+        if let Some(a) =
+            asks.get_mut(&chain).and_then(|e| e.holders.iter_mut().find(|a| a.holder == holder))
+        {
+            #[allow(clippy::cast_precision_loss)] // unit counts
+            let more = units as f64;
+            a.granted = a.granted_at(now) + more;
+            a.at = now;
+        }
+    }
+
+    /// A grant for `chain` was cut short at `now`: it is near its limit.
+    pub(super) fn cut(&self, chain: u64, now: Nanos) {
+        if let Some(e) = self.asks.lock().get_mut(&chain) {
+            e.cut_at = Some(now);
+        }
+    }
+
     /// Drops the asks of holders not seen for a while.
     fn forget_stale_asks(&self, now: Nanos) {
-        self.asks.lock().retain(|_, v| {
-            v.retain(|a| now.saturating_sub(a.seen) < ACTIVE_FOR);
-            !v.is_empty()
+        self.asks.lock().retain(|_, e| {
+            e.holders.retain(|a| now.saturating_sub(a.seen) < ACTIVE_FOR);
+            !e.holders.is_empty()
         });
     }
 }

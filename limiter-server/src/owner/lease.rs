@@ -225,6 +225,11 @@ impl Owner {
         let (leased, slices_until) = if exact {
             self.give_back(&chain, now, back).await?;
             (Leased::Direct, Nanos::MAX)
+        } else if ask.cost > ask.most {
+            // A request above the route's batch is never granted as a lease: it is
+            // decided as a request.
+            self.give_back(&chain, now, back).await?;
+            (Leased::Short, Nanos::MAX)
         } else if let (false, Some(c)) = (slices.is_empty(), self.shared()) {
             self.give_back(&chain, now, back).await?;
             self.lease_from_slices(c, &full, &chain, &slices, &renewal, now).await?

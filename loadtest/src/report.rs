@@ -122,6 +122,8 @@ impl ServerCounts {
 /// What a run learns besides the records.
 #[derive(Debug, Clone, Default)]
 pub struct Extras {
+    /// The routes offered whose policy fails open.
+    pub fail_open_routes: Vec<String>,
     /// Agent calls to owners.
     pub owner_calls: Option<u64>,
     /// Faults done.
@@ -517,7 +519,7 @@ pub fn build(s: &Scenario, names: &Names, records: &[Record], ideal: &[bool], x:
         .collect();
     let decisions = totals.admitted + totals.rejected;
     let invariants =
-        if s.chaos { invariants(s, records, &totals, &service, &x) } else { Vec::new() };
+        if s.chaos { invariants(s, records, &totals, &routes, &service, &x) } else { Vec::new() };
     Report {
         scenario: s.name.clone(),
         target: s.target.name().to_owned(),
@@ -548,6 +550,7 @@ fn invariants(
     s: &Scenario,
     records: &[Record],
     totals: &Totals,
+    routes: &[RouteOutcome],
     service: &Latency,
     x: &Extras,
 ) -> Vec<Invariant> {
@@ -608,6 +611,22 @@ fn invariants(
         name: "fail-open part: each gateway within each route's emergency ceiling".to_owned(),
         holds: j.fail_open.overshoot == 0,
         detail: j.fail_open.describe(),
+    });
+    // A fail-open route never answers "the limiter is unavailable": its failure policy
+    // admits under the emergency ceiling or refuses by it.
+    let closed: Vec<String> = routes
+        .iter()
+        .filter(|r| x.fail_open_routes.contains(&r.route) && r.failed_closed > 0)
+        .map(|r| format!("{}: {} answered limiter_unavailable", r.route, r.failed_closed))
+        .collect();
+    out.push(Invariant {
+        name: "fail-open routes never fail closed".to_owned(),
+        holds: closed.is_empty(),
+        detail: if closed.is_empty() {
+            format!("{} fail-open routes, 0 limiter_unavailable answers", x.fail_open_routes.len())
+        } else {
+            closed.join("; ")
+        },
     });
     // Leases end to end: what the gateways spent from leases (their own records, kept
     // when a gateway is killed) against what the owners booked over all their lives.

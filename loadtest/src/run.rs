@@ -428,6 +428,17 @@ pub async fn run(s: &Scenario, opts: Options) -> anyhow::Result<Report> {
     #[allow(clippy::cast_precision_loss)]
     let lease_ttl_s =
         names.routes.iter().map(|r| policy.route(r).lease.ttl).max().unwrap_or(0) as f64 / 1e9;
+    let fail_open_routes = names
+        .routes
+        .iter()
+        .filter(|r| {
+            matches!(
+                policy.route(r).on_limiter_failure,
+                limiter_core::policy::FailurePolicy::FailOpen { .. }
+            )
+        })
+        .cloned()
+        .collect();
     let envoy = s.target == TargetKind::Envoy;
     let ideal = crate::model::decide_all(&policy, &names, &records, envoy, start_unix);
     // Leases and slices may have decided unless one exact server did it all.
@@ -462,6 +473,7 @@ pub async fn run(s: &Scenario, opts: Options) -> anyhow::Result<Report> {
             planned,
             killed_gateways,
             ledger,
+            fail_open_routes,
         },
     ))
 }

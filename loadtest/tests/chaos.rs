@@ -27,7 +27,7 @@ async fn invariants_hold_under_random_faults() {
     assert!(s.faults.iter().all(|f| f.at.as_secs_f64() >= 2.0 && f.at.as_secs_f64() <= 10.0));
 
     let r = common::run_checked(&s).await;
-    assert_eq!(r.invariants.len(), 6);
+    assert_eq!(r.invariants.len(), 7);
     for i in &r.invariants {
         assert!(i.holds, "{}: {}", i.name, i.detail);
     }

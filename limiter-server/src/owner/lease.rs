@@ -201,15 +201,19 @@ impl Owner {
         // milliseconds, until the others have had theirs: on a tenant's own token
         // buckets only (a unit kept from it stays in the bucket, where a window's
         // would be lost at its end; root levels are shared with other nodes' slices,
-        // which this book does not weigh), and budgets large enough to lease.
+        // which this book does not weigh), budgets large enough to lease, and the
+        // memory store.
         let split = !goes_direct(capacity(&chain), ask.cost, shares.active);
         let own_buckets = chain
             .levels()
             .all(|l| matches!(*l.rule.limit, Limit::TokenBucket(_)) && !is_root(l.scope));
+        // The memory store only: its dry runs name the binding limit (a Redis store's
+        // refusal here could only say the limiter is unavailable).
         if slice_of.is_none()
             && !exact
             && split
             && own_buckets
+            && self.store().limiter().is_some()
             && let Some(wait) = self.leases().past_share(cid, holder, now)
         {
             // Only while what is left cannot cover the asks: units nobody else is

@@ -2,8 +2,10 @@
 //!
 //! `balance` holds the units of the current grant not yet spent; `deadline` (agent
 //! clock) is when the grant stops being spendable. Spending is a CAS loop on
-//! `balance`; renewal takes the whole balance at once (`take`) before asking the owner
-//! for a new grant, so a unit is either spent locally or handed back, never both.
+//! `balance`; a renewal takes the balance out at once (`set_aside`, or `take` for a
+//! give-back) before asking the owner, so a unit is either spent locally or handed
+//! back, never both. What `set_aside` keeps (a flight's worth) moves to `spare`: units
+//! already settled as spent with the owner, spent first while the renewal is out.
 //!
 //! Checked by an exhaustive stress test below rather than a `loom` model: this crate
 //! depends on tokio, which cannot be built under `--cfg loom` as a dependency.

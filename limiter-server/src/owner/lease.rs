@@ -6,8 +6,9 @@
 //! - A grant may be spent for `hold` (the route's lease TTL, cut to the end of any
 //!   window level's window), counted by the agent from when it sent its request, so
 //!   the agent always stops first; the owner writes the lease off at `granted + hold`.
-//! - Renewal is return-and-replace: the agent hands back what it did not spend (refunded
-//!   exactly while the lease is open) and receives a fresh grant.
+//! - Renewal settles and replaces: the item hands back what the agent took out of the
+//!   lease unspent (refunded exactly while the lease is open; what the agent kept to
+//!   serve while the call is out counts as spent) and receives a fresh grant.
 //! - Size: what the agent wants (about two renewal intervals of its demand), at least
 //!   the waiting request's cost, at most the route's `max_batch`, at most what its
 //!   demand can spend before the grant ends (a window's end), and at most half of what

@@ -300,18 +300,18 @@ impl Inner {
             // owner's next window has begun), or before when it runs low.
             st.sent_at + st.hold + self.rtt.load(Ordering::Relaxed) + 1_000_000
         } else if self.short(st) {
-            // A hold shorter than a renewal's lead (a sliding log's): given back and
-            // replaced half way through, before it lapses with units in it.
-            st.sent_at + st.hold / 2
+            // A hold shorter than a renewal's lead (a sliding log's): topped up just
+            // before it lapses, two round trips and 2 ms ahead (at least half way).
+            let ahead = 2 * self.rtt.load(Ordering::Relaxed) + 2_000_000;
+            slot.balance.deadline().saturating_sub(ahead).max(st.sent_at + st.hold / 2)
         } else {
             slot.balance.deadline().saturating_sub(lead)
         };
         renew_at.min(idle_at).max(now + 1)
     }
 
-    /// Whether the key's grant is held too briefly to be topped up (a top-up settles
-    /// the replaced grant a round later, after such a grant has lapsed): renewals give
-    /// it back and replace it instead.
+    /// Whether the key's grant is held for less than a renewal's lead (a sliding
+    /// log's): renewed just before it lapses rather than a lead ahead.
     pub(super) fn short(&self, st: &LeaseState) -> bool {
         !st.window_end && st.hold <= 2 * self.lead()
     }

@@ -126,9 +126,8 @@ pub(super) async fn renew_due(inner: &Inner) -> Option<Nanos> {
         let demand = st.demand(now, slot.balance.units(), 0);
         inner.tenant_demand(slot.key.parts().0, demand);
         let want = inner.want(demand, 1);
-        let (id, unspent) = if inner.short(&st) || now >= slot.balance.deadline() {
-            // Given back and replaced in one item (requests wait for the answer): a
-            // hold too short to top up, or one that has lapsed.
+        let (id, unspent) = if now >= slot.balance.deadline() {
+            // Lapsed: given back and replaced in one item (requests wait for it).
             inner.take_lease(slot, &mut st)
         } else {
             // A top-up: the units the key spends while the call is out stay here as

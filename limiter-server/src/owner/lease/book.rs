@@ -203,10 +203,10 @@ impl Leases {
         #[allow(clippy::cast_precision_loss)] // unit counts, compared
         let fair = me.cap as f64 / e.holders.iter().map(|a| a.cap as f64).sum::<f64>();
         let total: f64 = e.holders.iter().map(|a| a.granted_at(now)).sum();
-        // A twentieth of its share of slack: holders about at their share are not
+        // A fiftieth of its share of slack: holders about at their share are not
         // held back (units kept in the bucket wait for a holder that may come late).
         let over = me.granted_at(now) - fair * total;
-        if over <= 0.05 * fair * total {
+        if over <= 0.02 * fair * total {
             return None;
         }
         // Decayed by half a second at a time, the total is about 1.44 s of the rate

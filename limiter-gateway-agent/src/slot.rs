@@ -186,11 +186,6 @@ impl Balance {
     pub fn deadline(&self) -> Nanos {
         self.deadline.load(Ordering::Acquire)
     }
-
-    /// Whether a spend asked for a renewal that has not happened yet.
-    pub fn renew_wanted(&self) -> bool {
-        self.renew_wanted.load(Ordering::Relaxed)
-    }
 }
 
 #[cfg(test)]

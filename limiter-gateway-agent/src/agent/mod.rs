@@ -50,7 +50,6 @@ struct Inner {
     /// The demand of a tenant's keys here (an average over its renewals, units per
     /// second): what a new key of the tenant asks for first.
     tenants: Mutex<HashMap<Box<str>, u64>>,
-    wake: Arc<tokio::sync::Notify>,
     cancel: CancellationToken,
     stats: [AtomicU64; 6],
     /// The ring as the owner endpoint last described it (ring routing only).
@@ -129,14 +128,13 @@ impl Agent {
             tenants: Mutex::default(),
             routes: Mutex::default(),
             ceilings: EmergencyCeilings::default(),
-            wake: Arc::new(tokio::sync::Notify::new()),
             cancel: CancellationToken::new(),
             stats: Default::default(),
             ring: Mutex::default(),
             members: Mutex::default(),
             stale: Arc::new(tokio::sync::Notify::new()),
         });
-        tokio::spawn(renew_loop(Arc::downgrade(&inner), inner.wake.clone(), inner.cancel.clone()));
+        tokio::spawn(renew_loop(Arc::downgrade(&inner), inner.cancel.clone()));
         if inner.config.route_by_ring {
             tokio::spawn(topology_loop(
                 Arc::downgrade(&inner),

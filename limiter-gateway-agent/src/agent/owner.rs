@@ -316,13 +316,24 @@ impl Inner {
         !st.window_end && st.hold <= 2 * self.lead()
     }
 
+    /// The longest a refusal from the owner stands here: `refusal_cap`, within one
+    /// renewal round (the key's renewal asks again by then).
+    fn refusal_cap(&self) -> Nanos {
+        duration_nanos_of(self.config.refusal_cap).min(nanos(self.config.renew_interval))
+    }
+
+    /// Keeps the failure policy an owner's answer gives for the key's route.
+    pub(super) fn learn_failure_policy(&self, slot: &Slot, g: &pb::LeaseGrant) {
+        if let Some(p) = &g.on_failure {
+            self.routes.lock().insert(slot.key.route().into(), failure_policy(p));
+        }
+    }
+
     /// The limit that cut a grant or refused a key's request, kept to answer its like
     /// requests here until the renewer's next round asks again (and never past what
     /// the owner said).
     pub(super) fn rationed(&self, o: &Outcome, now: Nanos) -> Option<Box<Refusal<Outcome>>> {
-        let wait = duration_nanos_of(self.config.refusal_cap)
-            .min(nanos(self.config.renew_interval))
-            .min(o.retry_after);
+        let wait = self.refusal_cap().min(o.retry_after);
         (by_a_limit(o) && wait > 0).then(|| {
             let detail = Outcome { retry_after: wait, ..o.clone() };
             Box::new(Refusal::new(now, wait, wait, 1, detail))
@@ -400,9 +411,7 @@ impl Inner {
             self.schedule.at(slot, self.next_due(slot, &st, now_back));
             return Ok(self.fallback(slot.key.route(), cost));
         };
-        if let Some(p) = &g.on_failure {
-            self.routes.lock().insert(slot.key.route().into(), failure_policy(p));
-        }
+        self.learn_failure_policy(slot, &g);
         let o = if g.mode() != pb::LeaseMode::Direct && g.units >= cost && g.units > 0 {
             self.install(slot, &mut st, &g, now, cost);
             st.denied = g.decision.as_ref().and_then(|d| self.rationed(&from_owner(d), now));
@@ -415,9 +424,7 @@ impl Inner {
                 from_owner,
             );
             let hold = duration_nanos(g.hold.as_ref()).max(st.hold);
-            let cap = (hold / REFUSAL_CAP_SHARE)
-                .min(duration_nanos_of(self.config.refusal_cap))
-                .min(nanos(self.config.renew_interval));
+            let cap = (hold / REFUSAL_CAP_SHARE).min(self.refusal_cap());
             st.denied = refusal(&o, now, cost, cap).map(Box::new);
             o
         };

@@ -11,11 +11,7 @@ use tokio_util::sync::CancellationToken;
 /// The background renewer: one call in flight to the owner at a time, carrying
 /// every key that is due (low on units, near its grant's end, rationed, or idle).
 /// It sleeps a jittered round or until the schedule's first key is due.
-pub(super) async fn renew_loop(
-    inner: Weak<Inner>,
-    wake: Arc<tokio::sync::Notify>,
-    cancel: CancellationToken,
-) {
+pub(super) async fn renew_loop(inner: Weak<Inner>, cancel: CancellationToken) {
     let mut jitter: u64 = 0x9e37_79b9_7f4a_7c15;
     let mut next_due: Option<Nanos> = None;
     loop {
@@ -35,7 +31,6 @@ pub(super) async fn renew_loop(
         tokio::select! {
             () = cancel.cancelled() => return,
             () = tokio::time::sleep(Duration::from_nanos(wait)) => {}
-            () = wake.notified() => {}
         }
         let Some(inner) = inner.upgrade() else { return };
         next_due = renew_due(&inner).await;
@@ -179,9 +174,7 @@ impl Inner {
     /// direct-mode answer (the spare units keep serving), and the limit that cut a
     /// share kept to refuse with.
     fn renewed(&self, slot: &Arc<Slot>, st: &mut LeaseState, g: &pb::LeaseGrant, sent_at: Nanos) {
-        if let Some(p) = &g.on_failure {
-            self.routes.lock().insert(slot.key.route().into(), failure_policy(p));
-        }
+        self.learn_failure_policy(slot, g);
         let cut = g.decision.as_ref().and_then(|d| self.rationed(&from_owner(d), sent_at));
         if g.mode() == pb::LeaseMode::Direct {
             st.mode = Mode::Direct;

@@ -24,7 +24,7 @@
 use limiter_core::Limit;
 use limiter_core::algorithm::Algorithm;
 use limiter_core::clock::{NANOS_PER_SEC, Nanos};
-use limiter_core::lease::{Ask, LeaseRecord, Settled, Shares, goes_direct};
+use limiter_core::lease::{Ask, LeaseRecord, Settled, Shares};
 use limiter_core::policy::{Chain, FailurePolicy, Request};
 use limiter_proto::limiter::v1 as pb;
 
@@ -35,12 +35,12 @@ use crate::error::ServerError;
 use crate::metrics::Api;
 use crate::owner::reload::ActivePolicy;
 use crate::owner::{Charge, Outcome, Owner, Reach, Report};
-use crate::store::{Leased, Renewal, Returned, capacity};
+use crate::store::{Leased, Renewal, Returned};
 
 mod book;
 
 pub use self::book::Leases;
-use self::book::{chain_id, holder};
+use self::book::holder;
 
 fn failure_policy(p: FailurePolicy) -> pb::FailurePolicy {
     match p {
@@ -138,7 +138,7 @@ impl Owner {
             ..Default::default()
         };
         if item.want == 0 && item.cost == 0 {
-            self.leases().shares(chain_id(item), holder, 0, now);
+            self.leases().shares(self.leases().chain_id(item), holder, 0, now);
             self.give_back(&chain, now, back).await?;
             return Ok(grant);
         }
@@ -193,40 +193,20 @@ impl Owner {
         };
         // A node's slice never goes direct (the root owner refuses instead) and is
         // not divided with others.
-        let cid = chain_id(item);
+        let cid = self.leases().chain_id(item);
         let shares = match slice_of {
             Some(_) => Shares::default(),
             None => self.leases().shares(cid, holder, ask.cap().max(ask.cost), now),
         };
-        // Near the limit, a holder past its fair share (by ask) is refused for a few
-        // milliseconds, until the others have had theirs: on a tenant's own token
-        // buckets only (a unit kept from it stays in the bucket, where a window's
-        // would be lost at its end; root levels are shared with other nodes' slices,
-        // which this book does not weigh), budgets large enough to lease, and the
-        // memory store.
-        let split = !goes_direct(capacity(&chain), ask.cost, shares.active);
-        let own_buckets = chain
-            .levels()
-            .all(|l| matches!(*l.rule.limit, Limit::TokenBucket(_)) && !is_root(l.scope));
-        // The memory store only: its dry runs name the binding limit (a Redis store's
-        // refusal here could only say the limiter is unavailable).
+        let renewal = Renewal { back, ask, shares };
         if slice_of.is_none()
             && !exact
-            && split
-            && own_buckets
-            && self.store().limiter().is_some()
-            && let Some(wait) = self.leases().past_share(cid, holder, now)
+            && let Some(wait) = self.held_back(&chain, &renewal, cid, holder, now).await?
         {
-            // Only while what is left cannot cover the asks: units nobody else is
-            // asking for are not kept from it.
-            let asked = ask.cap().max(ask.cost).saturating_add(shares.others);
-            if self.store().remaining(&chain, now).await? < asked {
-                self.give_back(&chain, now, back).await?;
-                grant.decision = Some(self.refusal(&chain, now, wait));
-                return Ok(grant);
-            }
+            self.give_back(&chain, now, back).await?;
+            grant.decision = Some(self.refusal(&chain, now, wait));
+            return Ok(grant);
         }
-        let renewal = Renewal { back, ask, shares };
         let (leased, slices_until) = if exact {
             self.give_back(&chain, now, back).await?;
             (Leased::Direct, Nanos::MAX)
@@ -316,6 +296,35 @@ impl Owner {
         grant.hold = Some(convert::duration(g.hold));
         drop(held);
         Ok(grant)
+    }
+
+    /// Whether `holder` is held back near the limit because it is past its fair share
+    /// of `chain` (by ask), and for how long: a few milliseconds, until the others
+    /// have had theirs. On a tenant's own token buckets only (a unit kept back stays
+    /// in the bucket, where a window's would be lost at its end; root levels are
+    /// shared with other nodes' slices, which the book does not weigh), on budgets
+    /// large enough to lease, on the memory store (whose dry runs name the binding
+    /// limit; a Redis store's refusal could only say the limiter is unavailable),
+    /// and only while what is left cannot cover the asks (units nobody else asks for
+    /// are not kept from it).
+    async fn held_back(
+        &self,
+        chain: &Chain<'_>,
+        renewal: &Renewal,
+        cid: u64,
+        holder: u64,
+        now: Nanos,
+    ) -> Result<Option<Nanos>, ServerError> {
+        let own_buckets = chain
+            .levels()
+            .all(|l| matches!(*l.rule.limit, Limit::TokenBucket(_)) && !is_root(l.scope));
+        if !own_buckets || renewal.direct(chain) || self.store().limiter().is_none() {
+            return Ok(None);
+        }
+        let Some(wait) = self.leases().past_share(cid, holder, now) else { return Ok(None) };
+        let ask = &renewal.ask;
+        let asked = ask.cap().max(ask.cost).saturating_add(renewal.shares.others);
+        Ok((self.store().remaining(chain, now).await? < asked).then_some(wait))
     }
 
     /// Settles the item's previous lease in the book: what it left unspent, to give

@@ -98,10 +98,16 @@ pub struct Renewal {
 impl Renewal {
     /// What to grant from `remaining` by the grant rule; `None` in direct mode.
     pub(crate) fn size(&self, chain: &Chain<'_>, remaining: u64) -> Option<u64> {
-        if goes_direct(capacity(chain), self.ask.cost, self.shares.active) {
+        if self.direct(chain) {
             return None;
         }
         Some(grant_size(&self.ask, remaining, &self.shares))
+    }
+
+    /// Whether `chain`'s budget is too small to split among its active holders
+    /// ([`goes_direct`]): the owner decides each waiting request itself.
+    pub(crate) fn direct(&self, chain: &Chain<'_>) -> bool {
+        goes_direct(capacity(chain), self.ask.cost, self.shares.active)
     }
 
     /// Whether a grant of `units` can be held: at least one, and the waiting request.

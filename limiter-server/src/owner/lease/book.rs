@@ -60,6 +60,9 @@ pub struct Leases {
     pub(super) book: Mutex<LeaseBook<ChainKey>>,
     /// What each active holder last asked for, by chain (a hash of its names).
     asks: Mutex<HashMap<u64, ChainAsks>>,
+    /// Keys the chains' hashes with this process's own random key, so that callers
+    /// cannot choose names whose asks collide with another chain's.
+    chains: std::hash::RandomState,
 }
 
 impl Default for Leases {
@@ -67,7 +70,11 @@ impl Default for Leases {
         // Ids start at a random point, so leases that move between nodes keep ids
         // no other node has issued.
         let first = std::hash::RandomState::new().hash_one(0u64) >> 2;
-        Self { book: Mutex::new(LeaseBook::starting_at(first)), asks: Mutex::default() }
+        Self {
+            book: Mutex::new(LeaseBook::starting_at(first)),
+            asks: Mutex::default(),
+            chains: std::hash::RandomState::new(),
+        }
     }
 }
 
@@ -141,6 +148,11 @@ impl Leases {
             n += u64::from(book.adopt(l.id, record));
         }
         n
+    }
+
+    /// The id of the chain a lease item names (its names and level) in the asks.
+    pub(super) fn chain_id(&self, item: &pb::LeaseItem) -> u64 {
+        self.chains.hash_one((&item.tenant, &item.route, &item.key, item.level))
     }
 
     /// Records that `holder` asks for `cap` units of `chain` at `now` (0: it gives its
@@ -248,16 +260,6 @@ impl Leases {
             !e.holders.is_empty()
         });
     }
-}
-
-/// A stable id of the chain a lease item names (its names and level).
-pub(super) fn chain_id(item: &pb::LeaseItem) -> u64 {
-    BuildHasherDefault::<DefaultHasher>::default().hash_one((
-        &item.tenant,
-        &item.route,
-        &item.key,
-        item.level,
-    ))
 }
 
 impl crate::cluster::LeaseBook for Leases {

@@ -239,3 +239,69 @@ async fn the_scripts_match_the_reference_on_random_schedules() {
     assert!(seen.admitted > 500 && seen.rejected > 500 && seen.granted > 100, "{seen:?}");
     assert!(seen.refunded > 100, "{seen:?}");
 }
+
+/// The lease script divides what is left as the grant rule does
+/// (`limiter_core::lease::grant_size`, which the memory store runs): the same limit
+/// charged to the same level, the same ask and the same others' asks, on both stores,
+/// give the same answer, near the limit (proportional shares, their fraction paid by
+/// the same draw) and away from it, and direct mode on the same budgets.
+#[tokio::test]
+async fn the_lease_script_divides_what_is_left_as_the_grant_rule_does() {
+    use limiter_core::lease::{Ask, Shares};
+    use limiter_server::store::{Leased, Renewal};
+    let redis = RedisServer::start();
+    let mut rng = Rng::new(seeds(19)[0]);
+    let mut near = 0;
+    for case in 0..300u64 {
+        let limit = rng.range(1, 400);
+        let rule = format!("{{ algorithm: fixed_window, limit: {limit}, window: 1h }}");
+        let policy =
+            from_yaml(&format!("version: 1\ntenants:\n  t:\n    limit: {rule}\n"), "p.yaml")
+                .unwrap();
+        let redis_store = store(redis.url(), format!("shares:{case}"));
+        let memory = Store::memory(1_000, 1_000);
+        let now = (UNIX_NOW_US + case * 10) * US;
+        let spent = rng.range(0, limit);
+        let charge = Request {
+            tenant: "t",
+            route: "/r",
+            key: None,
+            cost: Some(spent.max(1)),
+            dry_run: false,
+        };
+        let chain = policy.resolve(&charge, &NameBounds::default()).unwrap();
+        if spent > 0 {
+            for s in [&redis_store, &memory] {
+                assert!(s.decide(&charge, &chain, now).await.unwrap().0.decision.is_allowed());
+            }
+        }
+        let cost = rng.range(0, 1);
+        let ask = Ask {
+            want: rng.range(1, limit),
+            cost,
+            demand_per_sec: rng.range(0, 2 * limit),
+            hold: 60_000_000_000,
+            most: rng.range(1, 2 * limit),
+        };
+        let shares = Shares {
+            active: rng.range(1, 12),
+            others: rng.range(0, 3 * limit),
+            dice: rng.next_u64(),
+        };
+        near += u64::from(ask.cap() + shares.others > limit - spent);
+        let renewal = Renewal { back: None, ask, shares };
+        let at = now + 1;
+        let from_redis = redis_store.lease(&chain, at, &renewal).await.unwrap();
+        let from_memory = memory.lease(&chain, at, &renewal).await.unwrap();
+        let units = |l: &Leased| match l {
+            Leased::Granted(g) => Some(g.units),
+            _ => None,
+        };
+        assert_eq!(
+            (units(&from_redis), std::mem::discriminant(&from_redis)),
+            (units(&from_memory), std::mem::discriminant(&from_memory)),
+            "case {case}: limit {limit}, spent {spent}, {ask:?}, {shares:?}: Redis {from_redis:?}, memory {from_memory:?}"
+        );
+    }
+    assert!(near > 50, "the cases reach the proportional rule: {near} of 300");
+}

@@ -381,6 +381,7 @@ mod grant_rule {
         assert!(goes_direct(19, 1, 10));
         assert!(!goes_direct(20, 1, 10));
         assert!(goes_direct(11, 3, 2), "cost 3 for each of 2 holders");
+        assert!(goes_direct(1, 0, 1), "a renewal with nothing waiting counts one unit");
         assert!(!goes_direct(0, 5, 0), "a node's slice never goes direct");
     }
 }

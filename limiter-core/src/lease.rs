@@ -165,6 +165,11 @@ impl<K: Clone> LeaseBook<K> {
         out
     }
 
+    /// Copies of the open leases whose key `pick` accepts (a replica's full copy).
+    pub fn open_where(&self, pick: impl Fn(&K) -> bool) -> Vec<(u64, LeaseRecord<K>)> {
+        self.open.iter().filter(|(_, r)| pick(&r.key)).map(|(id, r)| (*id, r.clone())).collect()
+    }
+
     /// Takes over lease `id` granted by another node (a handoff): its holder settles
     /// it here. An id already open here is kept (false).
     pub fn adopt(&mut self, id: u64, record: LeaseRecord<K>) -> bool {

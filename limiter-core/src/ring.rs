@@ -88,8 +88,15 @@ impl Ring {
 
     /// The owner of `name` (a tenant, or a root key's ring name).
     pub fn owner(&self, name: &str) -> Option<&Member> {
+        self.owner_without(name, "")
+    }
+
+    /// The owner `name` would have without member `id` (for `id`'s own names: the
+    /// member with the next-highest score, which holds their replica), without
+    /// building that ring.
+    pub fn owner_without(&self, name: &str, id: &str) -> Option<&Member> {
         let mut best: Option<(f64, &Member)> = None;
-        for m in &self.members {
+        for m in self.members.iter().filter(|m| &*m.id != id) {
             let s = score(m, name);
             // Ties (practically never) go to the first by id: the order is sorted.
             if best.is_none_or(|(b, _)| s > b) {
@@ -125,6 +132,21 @@ mod tests {
 
     fn owners(r: &Ring, n: usize) -> Vec<Arc<str>> {
         (0..n).map(|i| r.owner(&format!("tenant-{i}")).unwrap().id.clone()).collect()
+    }
+
+    #[test]
+    fn the_owner_without_a_member_is_the_owner_once_it_has_left() {
+        let r = ring(&["a", "b", "c", "d"]);
+        for i in 0..500 {
+            let name = format!("tenant-{i}");
+            let first = r.owner(&name).unwrap().id.clone();
+            let next = r.owner_without(&name, &first).unwrap();
+            assert_ne!(next.id, first);
+            assert_eq!(next.id, r.without(&first).owner(&name).unwrap().id, "{name}");
+            // Leaving out someone else changes nothing.
+            let other = r.members().iter().find(|m| m.id != first).unwrap();
+            assert_eq!(r.owner_without(&name, &other.id).unwrap().id, first);
+        }
     }
 
     #[test]

@@ -43,14 +43,22 @@ pub struct Slot {
     pub limit: Arc<Limit>,
     /// When a decision last touched this slot (nanoseconds, the low bits cleared) and,
     /// in those bits, how many decisions touched it, less one per eviction round it
-    /// survived (at most [`USES`]): one word, so a slot stays 80 bytes.
+    /// survived (at most [`USES`]), and whether it changed since its changes were
+    /// last taken ([`CHANGED`]): one word, so a slot stays 80 bytes.
     touched: u64,
     /// The algorithm state.
     pub state: LimitState,
 }
 
 /// The low bits of [`Slot::touched`] that count uses.
-const USES: u64 = 63;
+const USES: u64 = 31;
+
+/// The bit of [`Slot::touched`] set while the slot has a change not yet taken
+/// ([`StateTable::take_changes`]).
+const CHANGED: u64 = 32;
+
+/// The low bits of [`Slot::touched`] that are not time.
+const LOW: u64 = USES | CHANGED;
 
 impl Slot {
     /// The key this slot counts for.
@@ -60,7 +68,11 @@ impl Slot {
 
     /// When a decision last touched this slot (to 64 ns).
     pub fn last_seen(&self) -> Nanos {
-        self.touched & !USES
+        self.touched & !LOW
+    }
+
+    fn changed(&self) -> bool {
+        self.touched & CHANGED != 0
     }
 
     fn uses(&self) -> u64 {
@@ -69,7 +81,7 @@ impl Slot {
 
     fn touch(&mut self, now: Nanos) {
         let uses = (self.uses() + 1).min(USES);
-        self.touched = self.last_seen().max(now & !USES) | uses;
+        self.touched = self.last_seen().max(now & !LOW) | (self.touched & CHANGED) | uses;
     }
 
     /// One use less: a counter that stops being used ages out.
@@ -164,6 +176,9 @@ pub struct StateTable {
     evicted_idle: AtomicU64,
     evicted_live: AtomicU64,
     tenant_keys: Option<TenantKeys>,
+    /// With change tracking: per shard, the hashes of slots changed since their
+    /// changes were last taken (locked after the shard's own lock).
+    changes: Option<Box<[Mutex<Vec<u64>>]>>,
 }
 
 /// A tenant already holds as many key-scope counters as the table allows it.
@@ -199,7 +214,56 @@ impl StateTable {
             evicted_idle: AtomicU64::new(0),
             evicted_live: AtomicU64::new(0),
             tenant_keys: None,
+            changes: None,
         }
+    }
+
+    /// Tracks which slots change, for [`Self::take_changes`] (a replica kept up to
+    /// date by another node): a decision that writes a slot files its hash once
+    /// until its changes are taken.
+    #[must_use]
+    pub fn with_changes(mut self) -> Self {
+        self.changes = Some((0..self.shards.len()).map(|_| Mutex::new(Vec::new())).collect());
+        self
+    }
+
+    /// Whether changes are tracked.
+    pub fn tracks_changes(&self) -> bool {
+        self.changes.is_some()
+    }
+
+    /// The key and state of every slot changed since the last call (nothing without
+    /// [`Self::with_changes`]). A slot removed since its change is not listed: its
+    /// state was idle, evicted or handed off.
+    pub fn take_changes(&self) -> Vec<(LimitKey, LimitState)> {
+        let Some(changes) = &self.changes else { return Vec::new() };
+        let mut out = Vec::new();
+        for (shard, list) in self.shards.iter().zip(changes.iter()) {
+            let mut map = shard.0.lock();
+            let hashes = std::mem::take(&mut *list.lock());
+            for hash in hashes {
+                // Any changed slot in the hash's probe sequence will do: each changed
+                // slot filed its own hash, and a slot is listed once (its flag cleared).
+                while let Some(s) = map.find_mut(hash, Slot::changed) {
+                    s.touched &= !CHANGED;
+                    out.push((s.key.clone(), s.state.clone()));
+                }
+            }
+        }
+        out
+    }
+
+    /// The key and state of every slot whose key `pick` accepts (a replica's full
+    /// copy), leaving them in place.
+    pub fn snapshot_where(&self, pick: impl Fn(&LimitKey) -> bool) -> Vec<(LimitKey, LimitState)> {
+        let mut out = Vec::new();
+        for shard in &self.shards {
+            let map = shard.0.lock();
+            out.extend(
+                map.iter().filter(|s| pick(&s.key)).map(|s| (s.key.clone(), s.state.clone())),
+            );
+        }
+        out
     }
 
     /// Caps the key-scope counters of each tenant at `cap` (see [`Self::admits`]).
@@ -482,7 +546,7 @@ impl Locked<'_, '_> {
                 let fresh = Slot {
                     key: key.to_owned_key(),
                     limit: Arc::clone(limit),
-                    touched: now & !USES,
+                    touched: now & !LOW,
                     state: LimitState::Fresh,
                 };
                 table.keys.fetch_add(1, Ordering::Relaxed);
@@ -503,6 +567,12 @@ impl Locked<'_, '_> {
             slot.state = LimitState::Fresh;
         }
         slot.touch(now);
+        if let Some(changes) = &table.changes
+            && !slot.changed()
+        {
+            slot.touched |= CHANGED;
+            changes[table.shard_of(hash)].lock().push(hash);
+        }
         slot
     }
 }
@@ -519,6 +589,46 @@ mod tests {
             NonZeroU64::new(limit).unwrap(),
             NonZeroU64::new(1_000).unwrap(),
         ))
+    }
+
+    #[test]
+    fn changes_are_taken_once_each_with_the_newest_state() {
+        let t = StateTable::new(10_000, 4).with_changes();
+        let limit = Arc::new(fw(100));
+        let charge = |name: &str, units: u64| {
+            let keys = [LimitKeyRef::new(Scope::Key, "t", "/r", name)];
+            let mut l = t.lock(&keys);
+            let slot = l.slot_mut(0, &limit, 10);
+            limit.charge(&mut slot.state, 10, units);
+        };
+        for i in 0..500 {
+            charge(&format!("k{i}"), 1);
+        }
+        charge("k7", 4);
+        charge("k7", 2);
+        let mut taken = t.take_changes();
+        assert_eq!(taken.len(), 500);
+        taken.sort_by(|a, b| a.0.as_ref().key.cmp(b.0.as_ref().key));
+        taken.dedup_by(|a, b| a.0 == b.0);
+        assert_eq!(taken.len(), 500, "each changed key once");
+        let k7 = taken.iter().find(|(k, _)| k.as_ref().key == "k7").unwrap();
+        assert_eq!(limit.remaining(&k7.1, 10), 93, "its newest state");
+        // Nothing changed since: nothing to take; a read is no change.
+        assert!(t.take_changes().is_empty());
+        let keys = [LimitKeyRef::new(Scope::Key, "t", "/r", "k1")];
+        let _ = t.lock(&keys).get_used(0, &limit, 11);
+        assert!(t.take_changes().is_empty());
+        charge("k3", 1);
+        let again = t.take_changes();
+        assert_eq!(again.len(), 1);
+        assert_eq!(again[0].0.as_ref().key, "k3");
+        // Uses still count up to their cap beside the flag.
+        assert_eq!(t.snapshot_where(|k| k.as_ref().key == "k3").len(), 1);
+        // Without tracking, nothing is kept.
+        let plain = StateTable::new(100, 1);
+        let keys = [LimitKeyRef::new(Scope::Key, "t", "/r", "x")];
+        plain.lock(&keys).slot_mut(0, &limit, 1);
+        assert!(plain.take_changes().is_empty());
     }
 
     #[test]

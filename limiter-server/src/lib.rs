@@ -34,7 +34,7 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
 use crate::cluster::Cluster;
-use crate::config::{ServerConfig, StoreKind};
+use crate::config::{Membership, ServerConfig, StoreKind};
 use crate::owner::Owner;
 use crate::owner::reload::{LoadError, PolicyHolder};
 use crate::security::Security;
@@ -172,7 +172,11 @@ impl Server {
         metrics::handle();
         let security = Arc::new(Security::load(&config.security).map_err(LoadError::Security)?);
         let store = match &config.store {
-            StoreKind::Memory => Store::memory(config.max_keys, config.limits.max_keys_per_tenant),
+            StoreKind::Memory => Store::memory(
+                config.max_keys,
+                config.limits.max_keys_per_tenant,
+                config.cluster.replication && config.cluster.membership != Membership::Single,
+            ),
             StoreKind::Redis(settings) => Store::redis(
                 RedisStore::new(settings.clone(), clock.clone()).map_err(LoadError::Store)?,
                 clock.clone(),
@@ -193,13 +197,16 @@ impl Server {
         )?);
         let stateful = matches!(store, Store::Memory(_));
         let longest_ttl = longest_lease_ttl(&policies.current().policy);
-        let cluster = Arc::new(Cluster::new(
-            config.cluster.clone(),
-            security.peers.clone(),
-            stateful,
-            clock.clone(),
-            longest_ttl,
-        ));
+        let cluster = Arc::new(
+            Cluster::new(
+                config.cluster.clone(),
+                security.peers.clone(),
+                stateful,
+                clock.clone(),
+                longest_ttl,
+            )
+            .with_replica_room(config.max_keys),
+        );
         let keys = if config.show_keys {
             tracing::warn!("dashboard.show_keys is set: the status page shows keys as sent");
             owner::heavy::KeyDisplay::Shown
@@ -321,7 +328,12 @@ impl Server {
         let members = vec![config.listen.to_string()];
         if let Some(cluster) = owner.cluster().filter(|c| !c.is_single()).cloned() {
             let state: Arc<dyn cluster::LocalState> = owner.clone();
-            tasks.spawn(cluster::membership::run(cluster.clone(), state, cancel.child_token()));
+            tasks.spawn(cluster::membership::run(
+                cluster.clone(),
+                state.clone(),
+                cancel.child_token(),
+            ));
+            tasks.spawn(cluster::replica::run(cluster.clone(), state, cancel.child_token()));
             let cancel = cancel.child_token();
             tasks.spawn(async move {
                 let mut tick = tokio::time::interval(SLICE_RENEW_EVERY);

@@ -99,6 +99,23 @@ pub const FENCED_DECISIONS: &str = "limiter_fenced_decisions_total";
 pub const SLICE_UNITS: &str = "limiter_slice_units";
 /// Slice leases asked of root owners, by `outcome`.
 pub const SLICE_CALLS: &str = "limiter_slice_calls_total";
+/// Age of the oldest change not yet acknowledged by a replica, by `peer` (0 when it
+/// has everything).
+pub const REPLICATION_LAG: &str = "limiter_replication_lag_seconds";
+/// Changed counters and leases waiting for a replica, by `peer`.
+pub const REPLICATION_QUEUE: &str = "limiter_replication_queue";
+/// From a change to the replica's acknowledgement of it (at most: from the round
+/// before the one that took it).
+pub const REPLICATION_DELAY: &str = "limiter_replication_delay_seconds";
+/// Replication messages sent, by `result` (`ok`, `failed`).
+pub const REPLICATION_MESSAGES: &str = "limiter_replication_messages_total";
+/// Full copies sent to a replica, by `why` (`new`, `ring`, `resync`, `overflow`).
+pub const REPLICATION_FULL: &str = "limiter_replication_full_copies_total";
+/// Tenants a node took over from a lost owner's replica.
+pub const REPLICA_TAKEOVERS: &str = "limiter_replica_takeovers_total";
+/// Tenants (or root keys, or evicted live counters) whose counters began afresh, by
+/// `reason`.
+pub const STATE_RESETS: &str = "limiter_state_resets_total";
 
 /// Histogram buckets for decision latency: 5 µs to 1 s.
 const LATENCY_BUCKETS: &[f64] = &[
@@ -113,6 +130,8 @@ pub fn handle() -> &'static PrometheusHandle {
     HANDLE.get_or_init(|| {
         let recorder = PrometheusBuilder::new()
             .set_buckets_for_metric(Matcher::Full(DECISION_SECONDS.to_owned()), LATENCY_BUCKETS)
+            .expect("buckets are not empty")
+            .set_buckets_for_metric(Matcher::Full(REPLICATION_DELAY.to_owned()), LATENCY_BUCKETS)
             .expect("buckets are not empty")
             .build_recorder();
         let handle = recorder.handle();
@@ -137,9 +156,18 @@ pub fn handle() -> &'static PrometheusHandle {
         metrics::gauge!(RING_MEMBERS).set(1.0);
         metrics::gauge!(RING_EPOCH).set(0.0);
         metrics::gauge!(MEMBERSHIP_AGE).set(0.0);
+        for reason in RESET_REASONS {
+            metrics::counter!(STATE_RESETS, "reason" => *reason).increment(0);
+        }
         handle
     })
 }
+
+/// Why counters began afresh: owner and replica both lost; the replica held was
+/// behind (incomplete, stale, or from another ring); no replica was kept; a live
+/// counter evicted because the store was full.
+pub const RESET_REASONS: &[&str] =
+    &["owner_and_replica_lost", "replica_behind", "no_replica", "evicted"];
 
 fn describe() {
     describe_counter!(DECISIONS, "Decisions by api, route, decision, reason and scope.");
@@ -193,6 +221,13 @@ fn describe() {
     describe_counter!(FENCED_DECISIONS, "Failure-policy decisions for fenced tenants.");
     describe_gauge!(SLICE_UNITS, "Units of root keys held in slices leased from their owners.");
     describe_counter!(SLICE_CALLS, "Slice leases asked of root owners, by outcome.");
+    describe_gauge!(REPLICATION_LAG, Unit::Seconds, "Oldest change a replica lacks, by peer.");
+    describe_gauge!(REPLICATION_QUEUE, "Changes waiting for a replica, by peer.");
+    describe_histogram!(REPLICATION_DELAY, Unit::Seconds, "From a change to its replica's ack.");
+    describe_counter!(REPLICATION_MESSAGES, "Replication messages sent, by result.");
+    describe_counter!(REPLICATION_FULL, "Full copies sent to a replica, by why.");
+    describe_counter!(REPLICA_TAKEOVERS, "Tenants taken over from a lost owner's replica.");
+    describe_counter!(STATE_RESETS, "Tenants whose counters began afresh, by reason.");
 }
 
 /// Which API a decision came through (a label).

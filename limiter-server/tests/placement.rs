@@ -9,8 +9,42 @@ use std::time::Duration;
 use limiter_core::clock::ManualClock;
 use limiter_proto::limiter::v1 as pb;
 use limiter_server::cluster::ring::{Member, Ring};
-use limiter_server::cluster::{Cluster, Placement};
+use limiter_server::cluster::{Cluster, LocalState, Placement};
 use limiter_server::owner::lease::Leases;
+
+/// What a node holds: counters (or none), leases, the policy.
+struct State {
+    limiter: Option<limiter_core::Limiter>,
+    leases: Leases,
+    policy: limiter_core::policy::Policy,
+}
+
+impl State {
+    fn new(limiter: Option<limiter_core::Limiter>) -> Self {
+        Self { limiter, leases: Leases::default(), policy: policy() }
+    }
+}
+
+impl LocalState for State {
+    fn counters(&self) -> Option<&limiter_core::Limiter> {
+        self.limiter.as_ref()
+    }
+    fn leases(&self) -> &dyn limiter_server::cluster::LeaseBook {
+        &self.leases
+    }
+    fn with_policy(&self, f: &mut dyn FnMut(&limiter_core::policy::Policy)) {
+        f(&self.policy);
+    }
+}
+
+/// Every tenant held to 10 an hour (a fixed window).
+fn policy() -> limiter_core::policy::Policy {
+    limiter_core::policy::from_yaml(
+        "version: 1\ntenants:\n  default:\n    limit: { algorithm: fixed_window, limit: 10, window: 1h }\n",
+        "p.yaml",
+    )
+    .unwrap()
+}
 
 const START: u64 = 1_800_000_000_000_000_000;
 const FENCE_MS: u64 = 1_000;
@@ -56,19 +90,19 @@ fn owners(ring: &Ring, n: usize) -> Vec<(String, String)> {
 }
 
 /// Node `a` ten seconds after its first view of the ring of `a`, `b` and `c`.
-async fn steady() -> (Arc<ManualClock>, Cluster, Leases, Ring) {
+async fn steady() -> (Arc<ManualClock>, Cluster, State, Ring) {
     let clock = Arc::new(ManualClock::new(START));
     let a = node(&clock);
-    let leases = Leases::default();
+    let state = State::new(None);
     let all = Ring::new(1, vec![member("a", 1), member("b", 2), member("c", 3)]);
-    a.install(all.clone(), None, &leases).await;
+    a.install(all.clone(), &state).await;
     clock.advance(Duration::from_secs(10));
-    (clock, a, leases, all)
+    (clock, a, state, all)
 }
 
 #[tokio::test]
 async fn the_ring_places_tenants_and_a_lost_owner_is_fenced_then_taken_over() {
-    let (clock, a, leases, all) = steady().await;
+    let (clock, a, state, all) = steady().await;
     // Steady state: the ring's owner decides, here or there.
     let tenants = owners(&all, 60);
     for (t, o) in &tenants {
@@ -81,7 +115,7 @@ async fn the_ring_places_tenants_and_a_lost_owner_is_fenced_then_taken_over() {
     // `c` dies without a handoff: its tenants that come to `a` are fenced for the fence,
     // the others keep their owners.
     let without_c = Ring::new(2, vec![member("a", 1), member("b", 2)]);
-    a.install(without_c.clone(), None, &leases).await;
+    a.install(without_c.clone(), &state).await;
     let died = clock_now(&clock);
     let mut fenced = 0;
     for (t, before) in &tenants {
@@ -113,13 +147,13 @@ async fn the_ring_places_tenants_and_a_lost_owner_is_fenced_then_taken_over() {
 async fn tenants_from_a_live_node_wait_for_its_handoff() {
     let clock = Arc::new(ManualClock::new(START));
     let a = node(&clock);
-    let leases = Leases::default();
+    let state = State::new(None);
     // `a`'s first view: b and c own everything; then `a` joins.
     let bc = Ring::new(1, vec![member("b", 2), member("c", 3)]);
-    a.install(bc.clone(), None, &leases).await;
+    a.install(bc.clone(), &state).await;
     clock.advance(Duration::from_secs(10));
     let abc = Ring::new(2, vec![member("a", 1), member("b", 2), member("c", 3)]);
-    a.install(abc.clone(), None, &leases).await;
+    a.install(abc.clone(), &state).await;
     let joined = clock_now(&clock);
     let from_b: Vec<String> = owners(&abc, 90)
         .into_iter()
@@ -141,7 +175,7 @@ async fn tenants_from_a_live_node_wait_for_its_handoff() {
     )
     .unwrap();
     let done = pb::HandoffRequest { from: "b".into(), complete: true, ..Default::default() };
-    assert_eq!(a.receive(&done, None, &leases, &policy), Ok(0));
+    assert_eq!(a.receive(&done, None, &state.leases, &policy), Ok(0));
     for t in &from_b {
         assert!(matches!(a.place(t, joined), Placement::Local), "{t}");
     }
@@ -155,7 +189,7 @@ fn clock_now(clock: &ManualClock) -> u64 {
 #[tokio::test]
 async fn routing_forwards_client_calls_and_answers_moved_to_forwarded_ones() {
     use limiter_server::api::routing::target;
-    let (_clock, a, _leases, all) = steady().await;
+    let (_clock, a, _state, all) = steady().await;
     let tenants = owners(&all, 30);
     let (mine, theirs): (Vec<_>, Vec<_>) = tenants.iter().partition(|(_, o)| o == "a");
     assert!(!mine.is_empty() && !theirs.is_empty());
@@ -171,5 +205,136 @@ async fn routing_forwards_client_calls_and_answers_moved_to_forwarded_ones() {
         assert!(matches!(target(&a, t, 0).await, Some(Ok(m)) if &*m.id == o.as_str()), "{t}");
         assert!(matches!(target(&a, t, 1).await, Some(Err(m)) if &*m.id == o.as_str()), "{t}");
         assert!(target(&a, t, 2).await.is_none(), "{t}");
+    }
+}
+
+/// The number `limiter_state_resets_total{reason}` reads in this process.
+fn resets(reason: &str) -> u64 {
+    let text = limiter_server::metrics::handle().render();
+    let series = format!("limiter_state_resets_total{{reason=\"{reason}\"}} ");
+    text.lines()
+        .find_map(|l| l.strip_prefix(series.as_str()))
+        .map_or(0, |v| v.trim().parse().unwrap())
+}
+
+/// A fixed window's state with `count` units used in the hour of `now`.
+fn used(count: u64, now: u64) -> Vec<u8> {
+    let window = now / 3_600_000_000_000;
+    format!("{{\"FixedWindow\":{{\"window\":{window},\"count\":{count}}}}}").into_bytes()
+}
+
+fn counter(tenant: &str, state: Vec<u8>) -> pb::CounterState {
+    pb::CounterState {
+        scope: pb::Scope::Tenant.into(),
+        tenant: tenant.into(),
+        route: String::new(),
+        key: String::new(),
+        state,
+    }
+}
+
+#[tokio::test]
+async fn a_lost_owner_is_replaced_by_its_replica_and_a_double_loss_is_fenced_and_counted() {
+    let clock = Arc::new(ManualClock::new(START));
+    let a = node(&clock);
+    let state = State::new(Some(limiter_core::Limiter::new(10_000)));
+    let all = Ring::new(1, vec![member("a", 1), member("b", 2), member("c", 3)]);
+    a.install(all.clone(), &state).await;
+    clock.advance(Duration::from_secs(10));
+    let now = clock_now(&clock);
+    let tenants = owners(&all, 120);
+    // c's tenants whose next owner is a: their replica is here.
+    let next_a: Vec<&String> = tenants
+        .iter()
+        .filter(|(t, o)| o == "c" && all.owner_without(t, "c").is_some_and(|m| &*m.id == "a"))
+        .map(|(t, _)| t)
+        .collect();
+    assert!(next_a.len() > 5, "{}", next_a.len());
+    let copy = pb::ReplicateRequest {
+        from: "c".into(),
+        seq: 7,
+        reset: true,
+        synced: true,
+        counters: next_a.iter().map(|t| counter(t, used(3, now))).collect(),
+        ring: vec!["c".into(), "a".into(), "b".into()],
+        ..Default::default()
+    };
+    assert_eq!(a.replicas().receive(&a, &copy), Ok(false));
+    // The next change, then the same message again (an answer lost): both in order.
+    let change = pb::ReplicateRequest {
+        from: "c".into(),
+        seq: 8,
+        counters: vec![counter(next_a[0], used(9, now))],
+        ..Default::default()
+    };
+    assert_eq!(a.replicas().receive(&a, &change), Ok(false));
+    assert_eq!(a.replicas().receive(&a, &change), Ok(false));
+    // A message out of order (or from an owner that never sent a full copy) asks for one.
+    let gap = pb::ReplicateRequest { from: "b".into(), seq: 3, ..Default::default() };
+    assert_eq!(a.replicas().receive(&a, &gap), Ok(true));
+    // A stranger is refused and nothing is stored.
+    let stranger = pb::ReplicateRequest { from: "z".into(), reset: true, ..copy.clone() };
+    assert!(a.replicas().receive(&a, &stranger).unwrap_err().contains("not a node"));
+    assert_eq!(a.replicas().held(), next_a.len());
+
+    // b and c die together: c's tenants with their replica here are decided at once
+    // with c's counts; those whose replica died with b are fenced, then counted as
+    // begun afresh; b's are fenced (nothing of b's is here).
+    let before = resets("owner_and_replica_lost");
+    let alone = Ring::new(2, vec![member("a", 1)]);
+    a.install(alone.clone(), &state).await;
+    let died = clock_now(&clock);
+    let table = state.limiter.as_ref().unwrap().table();
+    let mut lost_both = 0;
+    for (t, o) in tenants.iter().filter(|(_, o)| o != "a") {
+        let next = all.owner_without(t, o).unwrap().id.to_string();
+        let p = a.place(t, died);
+        if o == "c" && next == "a" {
+            assert!(matches!(p, Placement::Local), "{t}: {p:?}");
+            let held = table.snapshot_where(|k| k.as_ref().tenant == t.as_str());
+            assert_eq!(held.len(), 1, "{t}");
+            let want = if t == next_a[0] { 9 } else { 3 };
+            assert_eq!(serde_json::to_vec(&held[0].1).unwrap(), used(want, now), "{t}");
+        } else {
+            assert!(matches!(p, Placement::Fenced { .. }), "{t}: {p:?}");
+            lost_both += u64::from(next != "a");
+        }
+    }
+    assert!(lost_both > 0);
+    clock.advance(Duration::from_millis(FENCE_MS));
+    for (t, _) in tenants.iter().filter(|(_, o)| o != "a") {
+        // Asked twice: counted once.
+        assert!(matches!(a.place(t, clock_now(&clock)), Placement::Local), "{t}");
+        assert!(matches!(a.place(t, clock_now(&clock)), Placement::Local), "{t}");
+    }
+    assert_eq!(resets("owner_and_replica_lost") - before, lost_both);
+}
+
+#[tokio::test]
+async fn a_replica_behind_its_owner_does_not_stand_for_it() {
+    let clock = Arc::new(ManualClock::new(START));
+    let a = node(&clock);
+    let state = State::new(Some(limiter_core::Limiter::new(10_000)));
+    let all = Ring::new(1, vec![member("a", 1), member("b", 2), member("c", 3)]);
+    a.install(all.clone(), &state).await;
+    clock.advance(Duration::from_secs(10));
+    let now = clock_now(&clock);
+    let tenants = owners(&all, 120);
+    let next_a: Vec<&String> = tenants
+        .iter()
+        .filter(|(t, o)| o == "c" && all.owner_without(t, "c").is_some_and(|m| &*m.id == "a"))
+        .map(|(t, _)| t)
+        .collect();
+    // A full copy begun but never finished.
+    let start = pb::ReplicateRequest {
+        from: "c".into(),
+        reset: true,
+        counters: next_a.iter().map(|t| counter(t, used(3, now))).collect(),
+        ..Default::default()
+    };
+    assert_eq!(a.replicas().receive(&a, &start), Ok(false));
+    a.install(Ring::new(2, vec![member("a", 1), member("b", 2)]), &state).await;
+    for t in &next_a {
+        assert!(matches!(a.place(t, clock_now(&clock)), Placement::Fenced { .. }), "{t}");
     }
 }

@@ -259,7 +259,7 @@ async fn the_lease_script_divides_what_is_left_as_the_grant_rule_does() {
             from_yaml(&format!("version: 1\ntenants:\n  t:\n    limit: {rule}\n"), "p.yaml")
                 .unwrap();
         let redis_store = store(redis.url(), format!("shares:{case}"));
-        let memory = Store::memory(1_000, 1_000);
+        let memory = Store::memory(1_000, 1_000, false);
         let now = (UNIX_NOW_US + case * 10) * US;
         let spent = rng.range(0, limit);
         let charge = Request {

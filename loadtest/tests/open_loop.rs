@@ -56,6 +56,12 @@ impl RateLimiter for Slow {
     ) -> Result<Response<pb::HandoffResponse>, Status> {
         Err(Status::unimplemented("slow test server"))
     }
+    async fn replicate(
+        &self,
+        _: Request<pb::ReplicateRequest>,
+    ) -> Result<Response<pb::ReplicateResponse>, Status> {
+        Err(Status::unimplemented("slow test server"))
+    }
 }
 
 async fn slow_server() -> String {

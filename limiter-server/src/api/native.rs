@@ -178,4 +178,21 @@ impl RateLimiter for NativeService {
             .map_err(Status::permission_denied)?;
         Ok(Response::new(pb::HandoffResponse { accepted }))
     }
+
+    async fn replicate(
+        &self,
+        request: Request<pb::ReplicateRequest>,
+    ) -> Result<Response<pb::ReplicateResponse>, Status> {
+        let Some(cluster) = self.owner.shared() else {
+            return Err(Status::permission_denied(
+                "this node is not in a cluster and holds no replicas",
+            ));
+        };
+        if self.hop(&request)? == 0 {
+            return Err(Status::permission_denied("replicas come from other nodes only"));
+        }
+        let r = request.into_inner();
+        let resync = cluster.replicas().receive(cluster, &r).map_err(Status::permission_denied)?;
+        Ok(Response::new(pb::ReplicateResponse { resync }))
+    }
 }

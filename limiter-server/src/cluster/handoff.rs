@@ -3,7 +3,7 @@
 //! without this node), and receiving what another node hands over, checked: only from
 //! a node of this cluster, and only states an algorithm can reach.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
@@ -23,11 +23,16 @@ use crate::config::Membership;
 use crate::convert;
 use crate::metrics as m;
 
-/// The lease book as a handoff sees it: what moves with tenants, and what arrives.
-/// The owner's book implements it (the cluster sits below the owner).
+/// The lease book as a handoff and a replica see it: what moves with tenants, what
+/// changed, and what arrives. The owner's book implements it (the cluster sits below
+/// the owner).
 pub trait LeaseBook: Send + Sync {
     /// Takes out the open leases whose ring name `moving` accepts.
     fn take_moving(&self, moving: &dyn Fn(&str) -> bool) -> Vec<pb::LeaseState>;
+    /// The leases opened or settled since the last call.
+    fn take_changes(&self) -> super::LeaseChanges;
+    /// Copies of the open leases whose ring name `pick` accepts.
+    fn open_where(&self, pick: &dyn Fn(&str) -> bool) -> Vec<pb::LeaseState>;
     /// Adopts leases handed to this node; returns how many.
     fn adopt(&self, leases: &[pb::LeaseState]) -> u64;
 }
@@ -39,6 +44,9 @@ pub trait LocalState: Send + Sync {
     fn counters(&self) -> Option<&Limiter>;
     /// The lease book.
     fn leases(&self) -> &dyn LeaseBook;
+    /// Runs `f` with the active policy (what counters taken over are checked
+    /// against).
+    fn with_policy(&self, f: &mut dyn FnMut(&Policy));
 }
 
 /// Whether a handoff's sender is leaving the ring (draining) or only gives up the
@@ -53,7 +61,8 @@ impl Cluster {
     /// Installs a new ring. Counters of tenants that move to a member that was not in
     /// the old ring are handed to it first (planned moves); this node marks itself
     /// joined once it is in a ring.
-    pub async fn install(&self, new: Ring, limiter: Option<&Limiter>, leases: &dyn LeaseBook) {
+    pub async fn install(&self, new: Ring, state: &dyn LocalState) {
+        let (limiter, leases) = (state.counters(), state.leases());
         let old = self.ring.load_full();
         if *old == new {
             return;
@@ -99,6 +108,9 @@ impl Cluster {
                 self.hand_off(&new, &to, taken, leased, Leaving::No).await;
             }
         }
+        if self.stateful && !was_alone {
+            self.replace_lost(&old, &new, state);
+        }
         let now = self.clock.now();
         {
             let mut t = self.transitions.lock();
@@ -120,6 +132,71 @@ impl Cluster {
             self.joined.store(true, Ordering::Relaxed);
         }
         self.publish();
+    }
+
+    /// What becomes of the replicas when the ring goes from `old` to `new`: a member
+    /// that joins (or comes back) starts its copies afresh, one that handed off has
+    /// none left, and one lost without handing off is replaced by its replica here,
+    /// for the tenants this node was next in line for, when the replica can stand
+    /// for it.
+    fn replace_lost(&self, old: &Ring, new: &Ring, state: &dyn LocalState) {
+        for m in new.members().iter().filter(|m| old.member(&m.id).is_none()) {
+            self.replication.forget(&m.id);
+        }
+        let now = self.clock.now();
+        for gone in old.members().iter().filter(|m| new.member(&m.id).is_none()) {
+            if self.left.lock().contains_key(&gone.id) {
+                self.replication.forget(&gone.id);
+                continue;
+            }
+            if !self.replication.is_on() {
+                continue;
+            }
+            let taken = self.replication.take_over(&gone.id, old, now, self.replica_current_for());
+            let held = match taken {
+                Ok(held) => held,
+                Err(why) => {
+                    self.behind.lock().insert(gone.id.clone(), why);
+                    tracing::warn!(node = %self.me.id, lost = %gone.id, reason = why.reason(), "a lost node's tenants are fenced: no replica here can stand for it");
+                    continue;
+                }
+            };
+            let me = &self.me.id;
+            let mine = |name: &str| {
+                new.owner(name).is_some_and(|o| o.id == *me)
+                    && old.owner_without(name, &gone.id).is_some_and(|o| o.id == *me)
+            };
+            let mut stored = 0u64;
+            let mut refused = 0u64;
+            let mut names = HashSet::new();
+            if let Some(limiter) = state.counters() {
+                state.with_policy(&mut |policy| {
+                    for c in &held.counters {
+                        let Some(name) = super::replica::counter_name(c) else { continue };
+                        if !mine(&name) {
+                            continue;
+                        }
+                        match store_counter(limiter, policy, c, now) {
+                            Stored::Yes => {
+                                stored += 1;
+                                names.insert(name);
+                            }
+                            Stored::Implausible => refused += 1,
+                            Stored::NoSuchLevel => {}
+                        }
+                    }
+                });
+            }
+            let leases: Vec<pb::LeaseState> =
+                held.leases.into_iter().filter(|l| mine(&l.tenant)).collect();
+            let adopted = state.leases().adopt(&leases);
+            self.promoted.lock().insert(gone.id.clone(), now);
+            metrics::counter!(m::REPLICA_TAKEOVERS).increment(names.len() as u64);
+            if refused > 0 {
+                metrics::counter!(m::HANDOFF_REFUSED, "reason" => "state").increment(refused);
+            }
+            tracing::info!(node = %self.me.id, lost = %gone.id, counters = stored, tenants = names.len(), leases = adopted, refused, "took over a lost node's tenants from their replica");
+        }
     }
 
     /// Drains: hands every counter to its owner in the ring without this node, then
@@ -230,7 +307,7 @@ impl Cluster {
 
     /// Whether `id` names a node of this cluster: a member of the current ring, or
     /// one of the configured static peers (which may be out of the ring for a moment).
-    fn knows(&self, id: &str) -> bool {
+    pub(super) fn knows(&self, id: &str) -> bool {
         if id == &*self.me.id {
             return false;
         }
@@ -294,7 +371,7 @@ impl Cluster {
 const HANDOFF_SKEW: Nanos = 5 * limiter_core::clock::NANOS_PER_SEC;
 
 /// What became of one handed-off counter.
-enum Stored {
+pub(super) enum Stored {
     Yes,
     /// The policy has no such level here (it changed, or the sender's differs).
     NoSuchLevel,
@@ -303,7 +380,12 @@ enum Stored {
 }
 
 /// Stores one handed-off counter under this node's limit for it.
-fn store_counter(limiter: &Limiter, policy: &Policy, c: &pb::CounterState, now: Nanos) -> Stored {
+pub(super) fn store_counter(
+    limiter: &Limiter,
+    policy: &Policy,
+    c: &pb::CounterState,
+    now: Nanos,
+) -> Stored {
     let Some(scope) = convert::scope_from(c.scope) else { return Stored::NoSuchLevel };
     let Ok(state) = serde_json::from_slice::<LimitState>(&c.state) else {
         return Stored::Implausible;

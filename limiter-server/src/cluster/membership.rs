@@ -165,7 +165,7 @@ async fn run_static(
         let current: Vec<&str> = ring.members().iter().map(|m| &*m.id).collect();
         if ids != current || !cluster.joined() {
             epoch += 1;
-            cluster.install(Ring::new(epoch, members), state.counters(), state.leases()).await;
+            cluster.install(Ring::new(epoch, members), state).await;
         }
         cluster.publish();
     }
@@ -265,7 +265,7 @@ async fn run_registry(
                     left = true;
                 }
                 cluster.refreshed();
-                cluster.install(ring, state.counters(), state.leases()).await;
+                cluster.install(ring, state).await;
             }
             None => {
                 conn = None;

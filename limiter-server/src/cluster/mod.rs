@@ -13,9 +13,14 @@
 //!   sends all of its counters to their new owners, then redirects. Requests for a
 //!   tenant whose counters are on their way wait for them (at most the handoff
 //!   timeout).
-//! - Unplanned loss: the new owner of a dead node's tenants fences them for the
-//!   longest lease TTL the old owner could have issued; meanwhile their requests
-//!   follow each route's failure policy and lease calls are granted nothing new.
+//! - Replicas ([`replica`]): each owner keeps the member that would own its tenants
+//!   next up to date with their counters and leases (memory store).
+//! - Unplanned loss: the new owner of a dead node's tenants decides them at once from
+//!   its replica when the replica can stand for the old owner; the others (no
+//!   current replica here, or owner and replica both lost) it fences for the longest
+//!   lease TTL the old owner could have issued (meanwhile their requests follow each
+//!   route's failure policy and lease calls are granted nothing new), and counts them
+//!   in `limiter_state_resets_total` when they begin afresh.
 //!
 //! With the Redis store the counters are shared, so there is nothing to hand off and
 //! nothing to fence: ownership only routes.
@@ -23,12 +28,14 @@
 mod handoff;
 pub mod membership;
 pub mod peers;
+pub mod replica;
 pub mod ring;
 pub mod slices;
 
 pub use self::handoff::{LeaseBook, LocalState};
+pub use self::replica::{LeaseChanges, Replication};
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
@@ -127,7 +134,18 @@ pub struct Cluster {
     /// Decisions on this node's counters hold it shared; taking counters away for a
     /// handoff holds it exclusively, so no decision runs on counters being moved.
     gate: tokio::sync::RwLock<()>,
+    replication: Replication,
+    /// Lost nodes whose replica this node took over, and when.
+    promoted: Mutex<HashMap<Arc<str>, Nanos>>,
+    /// Lost nodes whose replica here could not stand for them, and why.
+    behind: Mutex<HashMap<Arc<str>, replica::Behind>>,
+    /// Tenants already counted as begun afresh, by the transition that lost them.
+    afresh: Mutex<HashSet<(Nanos, Box<str>)>>,
 }
+
+/// The most tenants remembered as begun afresh (beyond it the set starts over: a
+/// tenant may be counted twice).
+const MAX_AFRESH: usize = 100_000;
 
 impl std::fmt::Debug for Cluster {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -167,6 +185,10 @@ impl Cluster {
         let ring = Ring::new(0, vec![me.clone()]);
         let single = config.membership == Membership::Single;
         Self {
+            replication: Replication::new(&config, stateful, single, 1_000_000),
+            promoted: Mutex::default(),
+            behind: Mutex::default(),
+            afresh: Mutex::default(),
             peers: Peers::new(config.forward_timeout, security),
             slices: slices::Slices::default(),
             gate: tokio::sync::RwLock::new(()),
@@ -184,6 +206,36 @@ impl Cluster {
             fence,
             config,
         }
+    }
+
+    /// Keeps at most `max` counters as replicas of other nodes.
+    #[must_use]
+    pub fn with_replica_room(mut self, max: usize) -> Self {
+        self.replication = Replication::new(&self.config, self.stateful, self.is_single(), max);
+        self
+    }
+
+    /// Replication of this node's tenants, and its replicas of others'.
+    pub fn replication(&self) -> &Replication {
+        &self.replication
+    }
+
+    /// The replicas this node holds (what [`Replication::receive`] stores).
+    pub fn replicas(&self) -> &Replication {
+        &self.replication
+    }
+
+    /// How long after its last message a lost owner's replica still stands for it:
+    /// the time to find a node dead, plus a replication round and its deadline.
+    fn replica_current_for(&self) -> Nanos {
+        let detect = match &self.config.membership {
+            Membership::Registry { ttl, poll, .. } => *ttl + *poll,
+            _ => {
+                self.config.health_interval * (self.config.fail_after + 1)
+                    + self.config.forward_timeout
+            }
+        };
+        nanos(detect + self.config.replication_interval + self.config.replication_timeout)
     }
 
     /// This node.
@@ -243,7 +295,12 @@ impl Cluster {
     /// Where `name`'s requests are decided now.
     pub fn place(&self, name: &str, now: Nanos) -> Placement {
         let ring = self.ring.load();
-        if ring.members().len() <= 1 && self.moving.load().is_none() {
+        // Alone by configuration (or with shared counters) there is nothing to wait for
+        // or fence; a cluster's last survivor still fences the tenants it lost.
+        if ring.members().len() <= 1
+            && self.moving.load().is_none()
+            && (self.is_single() || !self.stateful)
+        {
             return match ring.owner(name) {
                 Some(o) if o.id != self.me.id => Placement::Remote(o.clone()),
                 _ => Placement::Local,
@@ -287,13 +344,49 @@ impl Cluster {
                 if now < t.at + handoff {
                     return Placement::Wait { until: t.at + handoff };
                 }
+            } else if self.stood_in(t, &before.id, name) {
+                // The old owner is gone, and its replica here took its place.
+                return Placement::Local;
             } else if now < t.at + self.fence {
                 // The old owner is gone without handing off: fence.
                 return Placement::Fenced { until: t.at + self.fence };
+            } else {
+                self.began_afresh(t, &before.id, name);
             }
             return Placement::Local;
         }
         Placement::Local
+    }
+
+    /// Whether `name`, lost with `lost` in transition `t`, was taken over here from
+    /// its replica: this node was its next owner and took `lost`'s replica then.
+    fn stood_in(&self, t: &Transition, lost: &str, name: &str) -> bool {
+        let handoff = nanos(self.config.handoff_timeout);
+        self.promoted.lock().get(lost).is_some_and(|at| *at + handoff >= t.at && *at <= t.at)
+            && t.before.owner_without(name, lost).is_some_and(|m| m.id == self.me.id)
+    }
+
+    /// Counts `name` (lost with `lost` in `t`, fenced, its fence over) as begun afresh,
+    /// once.
+    fn began_afresh(&self, t: &Transition, lost: &str, name: &str) {
+        let mut seen = self.afresh.lock();
+        if seen.contains(&(t.at, name.into())) {
+            return;
+        }
+        if seen.len() >= MAX_AFRESH {
+            seen.clear();
+        }
+        seen.insert((t.at, name.into()));
+        drop(seen);
+        let next = t.before.owner_without(name, lost);
+        let reason = if next.is_some_and(|m| m.id != self.me.id && t.after.member(&m.id).is_none())
+        {
+            "owner_and_replica_lost"
+        } else {
+            self.behind.lock().get(lost).map_or("no_replica", |b| b.reason())
+        };
+        metrics::counter!(m::STATE_RESETS, "reason" => reason).increment(1);
+        tracing::info!(node = %self.me.id, tenant = %limiter_core::text::shorten(name), reason, "counters begin afresh after their owner's loss");
     }
 
     /// Waits (at most the handoff timeout) until this node has joined the ring: before

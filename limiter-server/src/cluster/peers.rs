@@ -177,6 +177,21 @@ impl Peer {
         let r = with_hop(req, 1, timeout);
         Ok(self.native.clone().handoff(r).await?.into_inner().accepted)
     }
+
+    /// Sends changes to the peer's replica of this node's tenants; true when the peer
+    /// asks for a full copy.
+    ///
+    /// # Errors
+    ///
+    /// As [`Self::allow`].
+    pub async fn replicate(
+        &self,
+        req: pb::ReplicateRequest,
+        timeout: Duration,
+    ) -> Result<bool, Status> {
+        let r = with_hop(req, 1, timeout);
+        Ok(self.native.clone().replicate(r).await?.into_inner().resync)
+    }
 }
 
 /// Sends what is queued for one peer as batches, several in flight.

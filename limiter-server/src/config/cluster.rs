@@ -27,6 +27,10 @@ pub(super) struct RawCluster {
     pub(super) fence_ms: i64,
     pub(super) slice_ttl_ms: i64,
     pub(super) insecure_peers: bool,
+    pub(super) replication: bool,
+    pub(super) replication_interval_ms: i64,
+    pub(super) replication_queue: i64,
+    pub(super) replication_timeout_ms: i64,
 }
 
 /// Where the ring's members come from.
@@ -89,6 +93,16 @@ pub struct ClusterConfig {
     /// The operator accepts a cluster whose gRPC port authenticates nobody, where any
     /// client can pass for a peer (hand off counters, send forwarded calls).
     pub insecure_peers: bool,
+    /// Memory store: keep each tenant's counters and leases replicated to the member
+    /// that would own it next (on by default).
+    pub replication: bool,
+    /// How often changes are sent to the replicas (lease grants are sent at once).
+    pub replication_interval: Duration,
+    /// The most changed counters waiting for one replica; past it the replica is
+    /// sent a full copy instead, and is behind until it arrives.
+    pub replication_queue: usize,
+    /// Deadline of one replication message.
+    pub replication_timeout: Duration,
 }
 
 /// Parses `id=host:port[*weight],...`.
@@ -182,5 +196,24 @@ pub(super) fn cluster_config(
         fence: millis(errors, "cluster.fence_ms", c.fence_ms, true),
         slice_ttl: millis(errors, "cluster.slice_ttl_ms", c.slice_ttl_ms, false),
         insecure_peers: c.insecure_peers,
+        replication: c.replication,
+        replication_interval: millis(
+            errors,
+            "cluster.replication_interval_ms",
+            c.replication_interval_ms,
+            false,
+        ),
+        replication_queue: positive(
+            errors,
+            "cluster.replication_queue",
+            c.replication_queue,
+            10_000_000,
+        ),
+        replication_timeout: millis(
+            errors,
+            "cluster.replication_timeout_ms",
+            c.replication_timeout_ms,
+            false,
+        ),
     }
 }

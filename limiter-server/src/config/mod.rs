@@ -173,6 +173,10 @@ cluster:
   fence_ms: 0
   slice_ttl_ms: 4000
   insecure_peers: false
+  replication: true
+  replication_interval_ms: 50
+  replication_queue: 100000
+  replication_timeout_ms: 500
 "#;
 
 /// Where a Envoy request's tenant comes from.

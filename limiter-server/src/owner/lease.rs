@@ -97,6 +97,14 @@ impl Owner {
         for (i, item) in items.iter().enumerate() {
             grants.push(self.lease_item(holder, &policy, item).await.map_err(|e| (i, e))?);
         }
+        // Grants are pre-paid and may be spent for a whole hold: the replica has them
+        // before their holders do, so that a take-over after this node's death never
+        // grants the same units again.
+        if grants.iter().any(|g| g.units > 0)
+            && let Some(c) = self.shared()
+        {
+            c.replication().sync().await;
+        }
         Ok(grants)
     }
 
@@ -271,6 +279,7 @@ impl Owner {
         // Filed under its ring name (a slice: its root key's), so that a move hands
         // it to the next owner of what it was granted from.
         let key = (name.into_boxed_str(), item.route.as_str().into(), req.key.map(Into::into));
+        let ring_name = key.0.clone();
         let id = self.leases().book.lock().open(LeaseRecord {
             holder,
             key,
@@ -278,6 +287,7 @@ impl Owner {
             granted_at: g.granted_at,
             hold: g.hold,
         });
+        self.leases().changed(id, &ring_name);
         if let (false, Some(c)) = (slices.is_empty(), self.shared()) {
             c.slices().funded(id, &slices.keys, slices_until);
         }
@@ -334,6 +344,9 @@ impl Owner {
             return None;
         }
         let settled = self.leases().book.lock().settle(item.lease_id, holder, now, item.unspent);
+        if let Settled::Closed { record, .. } | Settled::Expired(record) = &settled {
+            self.leases().changed(item.lease_id, &record.key.0);
+        }
         let Settled::Closed { record, refund } = settled else { return None };
         if let Some(c) = self.shared() {
             c.slices().returned(item.lease_id, refund, now);

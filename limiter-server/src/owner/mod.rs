@@ -321,4 +321,8 @@ impl crate::cluster::LocalState for Owner {
     fn leases(&self) -> &dyn crate::cluster::LeaseBook {
         &self.leases
     }
+
+    fn with_policy(&self, f: &mut dyn FnMut(&limiter_core::policy::Policy)) {
+        f(&self.policies.current().policy);
+    }
 }

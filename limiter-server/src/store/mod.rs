@@ -174,9 +174,13 @@ impl RedisBacked {
 }
 
 impl Store {
-    /// A memory store holding at most about `max_keys` counters.
-    pub fn memory(max_keys: usize, keys_per_tenant: u32) -> Self {
-        let table = StateTable::with_capacity(max_keys).with_keys_per_tenant(keys_per_tenant);
+    /// A memory store holding at most about `max_keys` counters; `replicated`: it
+    /// tracks which counters change, for replicas on other nodes.
+    pub fn memory(max_keys: usize, keys_per_tenant: u32, replicated: bool) -> Self {
+        let mut table = StateTable::with_capacity(max_keys).with_keys_per_tenant(keys_per_tenant);
+        if replicated {
+            table = table.with_changes();
+        }
         Self::Memory(Limiter::with_table(table))
     }
 

@@ -63,7 +63,22 @@ pub struct Leases {
     /// Keys the chains' hashes with this process's own random key, so that callers
     /// cannot choose names whose asks collide with another chain's.
     chains: std::hash::RandomState,
+    /// With replication: leases opened or settled since the replicator last took
+    /// them, with their ring names.
+    changes: Mutex<Changes>,
 }
+
+/// Leases changed since the replicator last took them.
+#[derive(Debug, Default)]
+struct Changes {
+    tracking: bool,
+    ids: Vec<(u64, Box<str>)>,
+    /// More changed than [`MAX_CHANGES`]: the replicas need a full copy.
+    overflowed: bool,
+}
+
+/// The most lease changes kept between two replication rounds.
+const MAX_CHANGES: usize = 200_000;
 
 impl Default for Leases {
     fn default() -> Self {
@@ -74,6 +89,7 @@ impl Default for Leases {
             book: Mutex::new(LeaseBook::starting_at(first)),
             asks: Mutex::default(),
             chains: std::hash::RandomState::new(),
+            changes: Mutex::default(),
         }
     }
 }
@@ -111,21 +127,45 @@ impl Leases {
     /// Removes the open leases whose ring name (tenant, or a root key's name)
     /// `moving` accepts, as handoff messages with that name.
     pub fn take_moving(&self, moving: impl Fn(&str) -> bool) -> Vec<pb::LeaseState> {
-        self.book
-            .lock()
-            .take_where(|k| moving(&k.0))
-            .into_iter()
-            .map(|(id, r)| pb::LeaseState {
-                id,
-                holder: r.holder,
-                tenant: r.key.0.to_string(),
-                route: r.key.1.to_string(),
-                key: r.key.2.map(|k| k.to_string()),
-                units: r.units,
-                granted_at: r.granted_at,
-                hold: r.hold,
-            })
-            .collect()
+        self.book.lock().take_where(|k| moving(&k.0)).into_iter().map(wire).collect()
+    }
+
+    /// Notes that lease `id` (of ring name `name`) was opened or settled, for the
+    /// replicas.
+    pub(super) fn changed(&self, id: u64, name: &str) {
+        let mut c = self.changes.lock();
+        if !c.tracking {
+            return;
+        }
+        if c.ids.len() < MAX_CHANGES {
+            c.ids.push((id, name.into()));
+        } else {
+            c.overflowed = true;
+        }
+    }
+
+    /// The leases changed since the last call: those open now, and those settled (by
+    /// id, with their ring names). The first call starts the tracking.
+    pub fn take_changes(&self) -> crate::cluster::LeaseChanges {
+        let (ids, overflowed) = {
+            let mut c = self.changes.lock();
+            c.tracking = true;
+            (std::mem::take(&mut c.ids), std::mem::take(&mut c.overflowed))
+        };
+        let book = self.book.lock();
+        let mut out = crate::cluster::LeaseChanges { overflowed, ..Default::default() };
+        for (id, name) in ids {
+            match book.get(id) {
+                Some(r) => out.open.push(wire((id, r.clone()))),
+                None => out.closed.push((id, name)),
+            }
+        }
+        out
+    }
+
+    /// The open leases whose ring name `pick` accepts, left open.
+    pub fn open_where(&self, pick: &dyn Fn(&str) -> bool) -> Vec<pb::LeaseState> {
+        self.book.lock().open_where(|k| pick(&k.0)).into_iter().map(wire).collect()
     }
 
     /// Takes over leases another node granted; returns how many.
@@ -262,9 +302,31 @@ impl Leases {
     }
 }
 
+/// A lease as the wire carries it between nodes.
+fn wire((id, r): (u64, LeaseRecord<ChainKey>)) -> pb::LeaseState {
+    pb::LeaseState {
+        id,
+        holder: r.holder,
+        tenant: r.key.0.to_string(),
+        route: r.key.1.to_string(),
+        key: r.key.2.map(|k| k.to_string()),
+        units: r.units,
+        granted_at: r.granted_at,
+        hold: r.hold,
+    }
+}
+
 impl crate::cluster::LeaseBook for Leases {
     fn take_moving(&self, moving: &dyn Fn(&str) -> bool) -> Vec<pb::LeaseState> {
         Self::take_moving(self, moving)
+    }
+
+    fn take_changes(&self) -> crate::cluster::LeaseChanges {
+        Self::take_changes(self)
+    }
+
+    fn open_where(&self, pick: &dyn Fn(&str) -> bool) -> Vec<pb::LeaseState> {
+        Self::open_where(self, pick)
     }
 
     fn adopt(&self, leases: &[pb::LeaseState]) -> u64 {

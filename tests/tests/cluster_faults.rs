@@ -184,9 +184,24 @@ tenants:
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_killed_nodes_tenants_are_fenced_then_served_by_their_new_owners() {
+    killed_node(false).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_killed_nodes_tenants_are_served_from_their_replicas_once_it_is_found_dead() {
+    killed_node(true).await;
+}
+
+/// Kills one of three nodes under load on a fail-open and a fail-closed route: with
+/// `replication`, its tenants are served from their replicas once it is found dead;
+/// without, they are fenced first.
+async fn killed_node(replication: bool) {
     let dir = tempfile::tempdir().unwrap();
     // Fence: the longest lease or slice TTL (1 s leases, 2 s slices): 2 s.
-    let extra = [("LIMITER__CLUSTER__SLICE_TTL_MS", "2000")];
+    let extra = [
+        ("LIMITER__CLUSTER__SLICE_TTL_MS", "2000"),
+        ("LIMITER__CLUSTER__REPLICATION", if replication { "true" } else { "false" }),
+    ];
     let (_, nodes, mut procs) = start_nodes(dir.path(), KILL, &["a", "b", "c"], &extra).await;
     let mut a = client(nodes[0].grpc).await;
     let tenants: Vec<String> = (0..30).map(|k| format!("tenant-{k}")).collect();
@@ -235,9 +250,46 @@ async fn a_killed_nodes_tenants_are_fenced_then_served_by_their_new_owners() {
         l.await.unwrap();
     }
     let log = log.lock().clone();
-    let fence = Duration::from_secs(2);
     // Detection: 3 failed checks 100 ms apart, plus one interval of slack.
     let detection = Duration::from_millis(400);
+    // What the tenants' buckets admitted over the whole run (both routes share the
+    // tenant's 20/s, burst 20; failure-policy admissions apart): replicas keep the
+    // counts, so the new owner starts from them, less what the dead owner decided in
+    // its last replication round (README's bound: the rate times 100 ms, 2 units).
+    let span = log.iter().map(|(t, ..)| *t).max().unwrap().as_secs_f64() + 0.1;
+    let unavailable = pb::Reason::LimiterUnavailable as i32;
+    let by_limits =
+        log.iter().filter(|(_, _, allowed, reason)| *allowed && *reason != unavailable).count();
+    let bucket_bound = victims.len() as f64 * (20.0 + 20.0 * span + 2.0);
+    if replication {
+        let recovered = log
+            .iter()
+            .filter(|(t, open, allowed, _)| *t > killed_at && !*open && *allowed)
+            .map(|(t, ..)| *t - killed_at)
+            .min()
+            .expect("the closed route is served again");
+        let rejected = log
+            .iter()
+            .filter(|(t, open, allowed, reason)| {
+                *t > killed_at
+                    && !*open
+                    && !*allowed
+                    && *reason == pb::Reason::LimiterUnavailable as i32
+            })
+            .count();
+        println!(
+            "kill -9 of c ({} tenants) with replicas: served again after {recovered:?} \
+             (detection {detection:?}, no fence); {rejected} closed-route requests failed \
+             closed meanwhile; the limits admitted {by_limits} over {span:.1} s (the buckets \
+             allow {bucket_bound:.0})",
+            victims.len()
+        );
+        assert!(recovered < Duration::from_secs(2), "served only after {recovered:?}");
+        assert!(by_limits as f64 <= bucket_bound, "{by_limits} > {bucket_bound}");
+        let _ = procs;
+        return;
+    }
+    let fence = Duration::from_secs(2);
     let recovered = log
         .iter()
         .filter(|(t, open, allowed, _)| *t > killed_at && !*open && *allowed)

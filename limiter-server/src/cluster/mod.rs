@@ -334,12 +334,17 @@ impl Cluster {
             if before.id == self.me.id || t.after.owner(name).is_none_or(|a| a.id != self.me.id) {
                 continue;
             }
-            let handed =
-                self.handoffs.lock().get(&before.id).is_some_and(|at| *at + handoff >= t.at);
+            // A handoff counts for a planned move (the old owner stays in the ring) or
+            // a drain; for a node lost without handing off, a handoff it sent shortly
+            // before (the "nothing held" of its own first view, say) covers nothing.
+            let planned = t.after.member(&before.id).is_some();
+            let live = ring.member(&before.id).is_some();
+            let handed = (planned || self.left.lock().contains_key(&before.id))
+                && self.handoffs.lock().get(&before.id).is_some_and(|at| *at + handoff >= t.at);
             if handed {
                 return Placement::Local;
             }
-            if ring.member(&before.id).is_some() {
+            if live {
                 // A planned move from a live node: its counters are on their way.
                 if now < t.at + handoff {
                     return Placement::Wait { until: t.at + handoff };

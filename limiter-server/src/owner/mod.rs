@@ -310,6 +310,8 @@ impl Owner {
         metrics::gauge!(m::STORE_MAX_KEYS).set(self.store.max_keys() as f64);
         metrics::counter!(m::STORE_EVICTIONS, "kind" => "idle").absolute(s.evicted_idle);
         metrics::counter!(m::STORE_EVICTIONS, "kind" => "live").absolute(s.evicted_live);
+        // A live counter evicted begins afresh on its next decision.
+        metrics::counter!(m::STATE_RESETS, "reason" => "evicted").absolute(s.evicted_live);
     }
 }
 

@@ -179,7 +179,13 @@ pub struct StateTable {
     /// With change tracking: per shard, the hashes of slots changed since their
     /// changes were last taken (locked after the shard's own lock).
     changes: Option<Box<[Mutex<Vec<u64>>]>>,
+    /// Numbers the copies taken of states, under their shard's lock: of two copies of
+    /// one key, the higher number is the newer state.
+    copies: AtomicU64,
 }
+
+/// A copy of one slot's state, numbered ([`StateTable::take_changes`]).
+pub type Copy = (LimitKey, LimitState, u64);
 
 /// A tenant already holds as many key-scope counters as the table allows it.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -215,6 +221,7 @@ impl StateTable {
             evicted_live: AtomicU64::new(0),
             tenant_keys: None,
             changes: None,
+            copies: AtomicU64::new(1),
         }
     }
 
@@ -235,7 +242,7 @@ impl StateTable {
     /// The key and state of every slot changed since the last call (nothing without
     /// [`Self::with_changes`]). A slot removed since its change is not listed: its
     /// state was idle, evicted or handed off.
-    pub fn take_changes(&self) -> Vec<(LimitKey, LimitState)> {
+    pub fn take_changes(&self) -> Vec<Copy> {
         let Some(changes) = &self.changes else { return Vec::new() };
         let mut out = Vec::new();
         for (shard, list) in self.shards.iter().zip(changes.iter()) {
@@ -246,8 +253,27 @@ impl StateTable {
                 // slot filed its own hash, and a slot is listed once (its flag cleared).
                 while let Some(s) = map.find_mut(hash, Slot::changed) {
                     s.touched &= !CHANGED;
-                    out.push((s.key.clone(), s.state.clone()));
+                    out.push((s.key.clone(), s.state.clone(), self.copy_number()));
                 }
+            }
+        }
+        out
+    }
+
+    /// The next copy number (taken under the copied slot's shard lock).
+    fn copy_number(&self) -> u64 {
+        self.copies.fetch_add(1, Ordering::Relaxed)
+    }
+
+    /// Copies of the states of `keys` that exist, leaving them in place and their
+    /// changes still to take.
+    pub fn copies_of(&self, keys: &[LimitKeyRef<'_>]) -> Vec<Copy> {
+        let mut out = Vec::new();
+        for k in keys {
+            let hash = k.hash_with(&self.hasher);
+            let map = self.shards[self.shard_of(hash)].0.lock();
+            if let Some(s) = map.find(hash, |s| k.matches(&s.key)) {
+                out.push((s.key.clone(), s.state.clone(), self.copy_number()));
             }
         }
         out
@@ -255,12 +281,14 @@ impl StateTable {
 
     /// The key and state of every slot whose key `pick` accepts (a replica's full
     /// copy), leaving them in place.
-    pub fn snapshot_where(&self, pick: impl Fn(&LimitKey) -> bool) -> Vec<(LimitKey, LimitState)> {
+    pub fn snapshot_where(&self, pick: impl Fn(&LimitKey) -> bool) -> Vec<Copy> {
         let mut out = Vec::new();
         for shard in &self.shards {
             let map = shard.0.lock();
             out.extend(
-                map.iter().filter(|s| pick(&s.key)).map(|s| (s.key.clone(), s.state.clone())),
+                map.iter()
+                    .filter(|s| pick(&s.key))
+                    .map(|s| (s.key.clone(), s.state.clone(), self.copy_number())),
             );
         }
         out
@@ -611,7 +639,7 @@ mod tests {
         taken.sort_by(|a, b| a.0.as_ref().key.cmp(b.0.as_ref().key));
         taken.dedup_by(|a, b| a.0 == b.0);
         assert_eq!(taken.len(), 500, "each changed key once");
-        let k7 = taken.iter().find(|(k, _)| k.as_ref().key == "k7").unwrap();
+        let k7 = taken.iter().find(|(k, ..)| k.as_ref().key == "k7").unwrap();
         assert_eq!(limit.remaining(&k7.1, 10), 93, "its newest state");
         // Nothing changed since: nothing to take; a read is no change.
         assert!(t.take_changes().is_empty());
@@ -622,8 +650,10 @@ mod tests {
         let again = t.take_changes();
         assert_eq!(again.len(), 1);
         assert_eq!(again[0].0.as_ref().key, "k3");
-        // Uses still count up to their cap beside the flag.
-        assert_eq!(t.snapshot_where(|k| k.as_ref().key == "k3").len(), 1);
+        // Copies are numbered: a later copy of a key has the higher number.
+        let later = t.copies_of(&[LimitKeyRef::new(Scope::Key, "t", "/r", "k3")]);
+        assert!(later[0].2 > again[0].2);
+        assert!(t.snapshot_where(|k| k.as_ref().key == "k3")[0].2 > later[0].2);
         // Without tracking, nothing is kept.
         let plain = StateTable::new(100, 1);
         let keys = [LimitKeyRef::new(Scope::Key, "t", "/r", "x")];

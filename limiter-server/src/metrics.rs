@@ -123,6 +123,12 @@ const LATENCY_BUCKETS: &[f64] = &[
     0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
 ];
 
+/// Histogram buckets for replication delay: 5 ms to 5 s (rounds are 50 ms apart).
+const DELAY_BUCKETS: &[f64] = &[
+    0.005, 0.01, 0.02, 0.03, 0.04, 0.05, 0.06, 0.07, 0.08, 0.09, 0.1, 0.125, 0.15, 0.2, 0.3, 0.5,
+    1.0, 2.0, 5.0,
+];
+
 /// The process-wide recorder, installed on first use. Several servers in one process
 /// (tests) share it.
 pub fn handle() -> &'static PrometheusHandle {
@@ -131,7 +137,7 @@ pub fn handle() -> &'static PrometheusHandle {
         let recorder = PrometheusBuilder::new()
             .set_buckets_for_metric(Matcher::Full(DECISION_SECONDS.to_owned()), LATENCY_BUCKETS)
             .expect("buckets are not empty")
-            .set_buckets_for_metric(Matcher::Full(REPLICATION_DELAY.to_owned()), LATENCY_BUCKETS)
+            .set_buckets_for_metric(Matcher::Full(REPLICATION_DELAY.to_owned()), DELAY_BUCKETS)
             .expect("buckets are not empty")
             .build_recorder();
         let handle = recorder.handle();

@@ -49,6 +49,7 @@ async fn finding_1_a_node_alone_accepts_no_handoff_and_no_forwarded_call() {
         route: "/r".into(),
         key: "k".into(),
         state: br#""Fresh""#.to_vec(),
+        version: 0,
     };
     let forged = pb::HandoffRequest {
         from: "someone".into(),
@@ -58,7 +59,20 @@ async fn finding_1_a_node_alone_accepts_no_handoff_and_no_forwarded_call() {
     };
     let e = c.handoff(forwarded(forged.clone())).await.unwrap_err();
     assert_eq!(e.code(), Grpc::PermissionDenied, "{e:?}");
-    let e = c.handoff(forged).await.unwrap_err();
+    let e = c.handoff(forged.clone()).await.unwrap_err();
+    assert_eq!(e.code(), Grpc::PermissionDenied, "{e:?}");
+    // A forged replica (that could stand for this node's counters after a take-over):
+    // refused the same way.
+    let replica = pb::ReplicateRequest {
+        from: "someone".into(),
+        reset: true,
+        synced: true,
+        counters: forged.counters.clone(),
+        ..Default::default()
+    };
+    let e = c.replicate(forwarded(replica.clone())).await.unwrap_err();
+    assert_eq!(e.code(), Grpc::PermissionDenied, "{e:?}");
+    let e = c.replicate(replica).await.unwrap_err();
     assert_eq!(e.code(), Grpc::PermissionDenied, "{e:?}");
     // A decision marked as forwarded is refused too: alone, a node has no peers.
     let e = c.should_allow(forwarded(ask_key("acme", "/r", "k"))).await.unwrap_err();
@@ -478,6 +492,7 @@ async fn finding_1_a_handoff_from_a_node_not_in_the_cluster_is_refused() {
         route: "/r".into(),
         key: "k".into(),
         state: state.into_bytes(),
+        version: 0,
     };
     let window = now / 3_600_000_000_000;
     let good = counter(format!(r#"{{"FixedWindow":{{"window":{window},"count":2}}}}"#));

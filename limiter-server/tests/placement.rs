@@ -223,8 +223,9 @@ fn used(count: u64, now: u64) -> Vec<u8> {
     format!("{{\"FixedWindow\":{{\"window\":{window},\"count\":{count}}}}}").into_bytes()
 }
 
-fn counter(tenant: &str, state: Vec<u8>) -> pb::CounterState {
+fn counter(tenant: &str, state: Vec<u8>, version: u64) -> pb::CounterState {
     pb::CounterState {
+        version,
         scope: pb::Scope::Tenant.into(),
         tenant: tenant.into(),
         route: String::new(),
@@ -255,7 +256,7 @@ async fn a_lost_owner_is_replaced_by_its_replica_and_a_double_loss_is_fenced_and
         seq: 7,
         reset: true,
         synced: true,
-        counters: next_a.iter().map(|t| counter(t, used(3, now))).collect(),
+        counters: next_a.iter().map(|t| counter(t, used(3, now), 10)).collect(),
         ring: vec!["c".into(), "a".into(), "b".into()],
         ..Default::default()
     };
@@ -264,11 +265,20 @@ async fn a_lost_owner_is_replaced_by_its_replica_and_a_double_loss_is_fenced_and
     let change = pb::ReplicateRequest {
         from: "c".into(),
         seq: 8,
-        counters: vec![counter(next_a[0], used(9, now))],
+        counters: vec![counter(next_a[0], used(9, now), 20)],
         ..Default::default()
     };
     assert_eq!(a.replicas().receive(&a, &change), Ok(false));
     assert_eq!(a.replicas().receive(&a, &change), Ok(false));
+    // A lease grant's copy sent at once, older than the change (it left before it and
+    // arrived after): the newer copy stays.
+    let late = pb::ReplicateRequest {
+        from: "c".into(),
+        direct: true,
+        counters: vec![counter(next_a[0], used(1, now), 15)],
+        ..Default::default()
+    };
+    assert_eq!(a.replicas().receive(&a, &late), Ok(false));
     // A message out of order (or from an owner that never sent a full copy) asks for one.
     let gap = pb::ReplicateRequest { from: "b".into(), seq: 3, ..Default::default() };
     assert_eq!(a.replicas().receive(&a, &gap), Ok(true));
@@ -329,7 +339,7 @@ async fn a_replica_behind_its_owner_does_not_stand_for_it() {
     let start = pb::ReplicateRequest {
         from: "c".into(),
         reset: true,
-        counters: next_a.iter().map(|t| counter(t, used(3, now))).collect(),
+        counters: next_a.iter().map(|t| counter(t, used(3, now), 1)).collect(),
         ..Default::default()
     };
     assert_eq!(a.replicas().receive(&a, &start), Ok(false));

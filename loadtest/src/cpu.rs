@@ -126,7 +126,7 @@ fn cpu_ns(pid: u32) -> anyhow::Result<u64> {
     Ok(total)
 }
 
-async fn connect(addr: SocketAddr) -> anyhow::Result<RateLimitServiceClient<Channel>> {
+pub(crate) async fn connect(addr: SocketAddr) -> anyhow::Result<RateLimitServiceClient<Channel>> {
     for _ in 0..200 {
         if let Ok(c) = RateLimitServiceClient::connect(format!("http://{addr}")).await {
             return Ok(c);
@@ -207,7 +207,11 @@ async fn open_loop(
 }
 
 /// Answers a second with `in_flight` calls always outstanding, for `dur`.
-async fn saturate(clients: &[RateLimitServiceClient<Channel>], o: &Options, dur: Duration) -> u64 {
+pub(crate) async fn saturate(
+    clients: &[RateLimitServiceClient<Channel>],
+    o: &Options,
+    dur: Duration,
+) -> u64 {
     let answered = Arc::new(AtomicU64::new(0));
     let end = Instant::now() + dur;
     let mut tasks = tokio::task::JoinSet::new();
@@ -228,7 +232,7 @@ async fn saturate(clients: &[RateLimitServiceClient<Channel>], o: &Options, dur:
     answered.load(Ordering::Relaxed) / dur.as_secs().max(1)
 }
 
-fn policy(tenants: usize) -> String {
+pub(crate) fn policy(tenants: usize) -> String {
     let mut p = String::from("version: 1\nunknown_tenants: reject\ntenants:\n");
     for t in 0..tenants {
         p.push_str(&format!(

@@ -19,6 +19,7 @@ pub mod model;
 pub mod peers;
 pub mod procs;
 pub mod record;
+pub mod replication;
 pub mod report;
 pub mod run;
 pub mod scenario;

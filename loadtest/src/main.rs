@@ -19,7 +19,8 @@ const USAGE: &str = "usage:
   loadtest run <scenario.yaml> [--out DIR]
   loadtest bench [--quick] [--out FILE] [--charts DIR]
   loadtest cpu [--rate N] [--tenants N] [--secs N] [--rounds N] [--in-flight N]
-               [--set LIMITER__KEY=VALUE]...";
+               [--set LIMITER__KEY=VALUE]...
+  loadtest replication [--tenants N] [--secs N] [--rounds N] [--in-flight N]";
 
 fn main() -> ExitCode {
     match std::env::var(loadtest::procs::ROLE).as_deref() {
@@ -49,6 +50,7 @@ fn main() -> ExitCode {
         Some("run") => run(&args[1..]),
         Some("bench") => bench(&args[1..]),
         Some("cpu") => cpu(&args[1..]),
+        Some("replication") => replication(&args[1..]),
         Some("-h" | "--help") => {
             println!("{USAGE}");
             return ExitCode::SUCCESS;
@@ -116,6 +118,29 @@ fn bench(args: &[String]) -> anyhow::Result<()> {
         }
     }
     runtime()?.block_on(loadtest::bench::run(&opts))
+}
+
+fn replication(args: &[String]) -> anyhow::Result<()> {
+    let mut o = loadtest::replication::Options::default();
+    let mut it = args.iter();
+    while let Some(a) = it.next() {
+        let n = |v: Option<&String>| -> anyhow::Result<u64> {
+            value(v, a)?.parse().map_err(|_| anyhow::anyhow!("{a}: expected a number"))
+        };
+        match a.as_str() {
+            "--tenants" => o.tenants = usize::try_from(n(it.next())?)?.max(1),
+            "--secs" => o.secs = n(it.next())?.max(1),
+            "--rounds" => o.rounds = usize::try_from(n(it.next())?)?.max(1),
+            "--in-flight" => o.in_flight = usize::try_from(n(it.next())?)?.max(1),
+            other => anyhow::bail!("unexpected argument `{other}`\n{USAGE}"),
+        }
+    }
+    let dir = std::env::temp_dir().join(format!("loadtest-replication-{}", std::process::id()));
+    std::fs::create_dir_all(&dir)?;
+    let md = runtime()?.block_on(loadtest::replication::run(&o, &dir));
+    let _ = std::fs::remove_dir_all(&dir);
+    println!("{}", md?);
+    Ok(())
 }
 
 fn cpu(args: &[String]) -> anyhow::Result<()> {

@@ -9,7 +9,7 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::Duration;
 
 use limiter_proto::envoy::extensions::common::ratelimit::v3::{
     RateLimitDescriptor, rate_limit_descriptor::Entry,
@@ -60,7 +60,8 @@ fn policy() -> String {
 /// Hour windows (of the Unix clock) a span of `secs` from now touches: a fixed
 /// window's allowance is one per window.
 fn hours_touched(secs: u64) -> u64 {
-    let now = SystemTime::now().duration_since(UNIX_EPOCH).unwrap().as_secs();
+    use limiter_core::clock::Clock as _;
+    let now = limiter_core::clock::MonotonicClock::new().now() / 1_000_000_000;
     (now + secs) / 3_600 - now / 3_600 + 1
 }
 

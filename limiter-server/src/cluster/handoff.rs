@@ -251,6 +251,7 @@ impl Cluster {
                 route: k.route.to_owned(),
                 key: k.key.to_owned(),
                 state,
+                version: 0,
             });
         }
         let sends = to.iter().map(|member| {

@@ -5,9 +5,10 @@
 //! - The owner side ([`run`]): every `replication_interval`, the counters changed
 //!   since the last round (the table tracks them, [`StateTable::take_changes`]) and
 //!   the leases opened or settled go, as their state now, to the replica of their
-//!   ring name; a lease grant waits for the round that carries it before it is
-//!   answered ([`Replication::sync`]: rounds run back to back while grants wait, so
-//!   concurrent grants share one). A replica that is new, that missed a message, or
+//!   ring name. A lease grant is not answered before its replica has it: its
+//!   counters and lease go at once, outside the rounds ([`Replication::send_grants`];
+//!   copies are numbered, so a replica keeps the newest whatever the order of
+//!   arrival). A replica that is new, that missed a message, or
 //!   whose queue passed `replication_queue`, and every replica after a ring change,
 //!   gets a full copy. Sending never blocks a decision: a replica that does not
 //!   answer only makes its lag grow (exported per peer).
@@ -25,12 +26,10 @@
 
 use std::collections::HashMap;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use limiter_core::clock::Nanos;
-use limiter_core::key::LimitKey;
-use limiter_core::limit::LimitState;
+use limiter_core::table::{Copy, StateTable};
 use limiter_proto::limiter::v1 as pb;
 use parking_lot::Mutex;
 use tokio_util::sync::CancellationToken;
@@ -56,7 +55,7 @@ pub(super) fn counter_name(c: &pb::CounterState) -> Option<String> {
     convert::scope_from(c.scope).map(|s| owner_name(s, &c.tenant, &c.route))
 }
 
-fn wire(key: &LimitKey, state: &LimitState) -> Option<pb::CounterState> {
+fn wire((key, state, version): &Copy) -> Option<pb::CounterState> {
     let k = key.as_ref();
     Some(pb::CounterState {
         scope: convert::scope(k.scope).into(),
@@ -64,7 +63,18 @@ fn wire(key: &LimitKey, state: &LimitState) -> Option<pb::CounterState> {
         route: k.route.to_owned(),
         key: k.key.to_owned(),
         state: serde_json::to_vec(state).ok()?,
+        version: *version,
     })
+}
+
+/// Keeps `c` unless a newer copy of its counter is held.
+fn keep(counters: &mut HashMap<CounterId, pb::CounterState>, c: &pb::CounterState) {
+    match counters.get(&counter_id(c)) {
+        Some(held) if held.version > c.version => {}
+        _ => {
+            counters.insert(counter_id(c), c.clone());
+        }
+    }
 }
 
 /// What the owner keeps for one replica.
@@ -151,6 +161,59 @@ pub struct LeaseChanges {
     pub overflowed: bool,
 }
 
+/// Lease grants waiting to go to one replica: their counters, leases and callers,
+/// sent together (grants that arrive while a batch is on its way go in the next).
+#[derive(Debug, Default)]
+struct Batch {
+    counters: Vec<pb::CounterState>,
+    leases: Vec<pb::LeaseState>,
+    waiting: Vec<tokio::sync::oneshot::Sender<()>>,
+    /// A task is sending this replica's batches.
+    sending: bool,
+}
+
+/// Sends replica `to` the grants waiting for it, batch after batch, until none is.
+async fn send_grant_batches(cluster: Arc<Cluster>, to: Arc<str>) {
+    let r = cluster.replication();
+    loop {
+        let batch = {
+            let mut grants = r.grants.lock();
+            let Some(q) = grants.get_mut(&to) else { return };
+            if q.waiting.is_empty() {
+                q.sending = false;
+                return;
+            }
+            Batch {
+                counters: std::mem::take(&mut q.counters),
+                leases: std::mem::take(&mut q.leases),
+                waiting: std::mem::take(&mut q.waiting),
+                sending: true,
+            }
+        };
+        let peer = cluster.ring().member(&to).and_then(|m| cluster.peer(m).ok());
+        let msg = pb::ReplicateRequest {
+            from: cluster.me.id.to_string(),
+            direct: true,
+            counters: batch.counters,
+            leases: batch.leases,
+            sent_at: cluster.clock.now(),
+            ..Default::default()
+        };
+        let sent = match peer {
+            Some(p) => p.replicate(msg, r.timeout).await.map(|_| ()),
+            None => Err(tonic::Status::unavailable("not in the ring")),
+        };
+        let result = if sent.is_ok() { "ok" } else { "failed" };
+        metrics::counter!(m::REPLICATION_MESSAGES, "result" => result).increment(1);
+        if let Err(e) = sent {
+            tracing::debug!(to = %to, "lease grants answered before their replica had them: {e}");
+        }
+        for w in batch.waiting {
+            let _ = w.send(());
+        }
+    }
+}
+
 /// Both sides of replication on one node.
 #[derive(Debug)]
 pub struct Replication {
@@ -160,11 +223,9 @@ pub struct Replication {
     queue: usize,
     /// The most counters this node keeps as replicas of others.
     max_held: usize,
-    /// Rounds started and finished (a lease grant waits for one started after it).
-    started: AtomicU64,
-    finished: tokio::sync::watch::Sender<u64>,
-    wake: tokio::sync::Notify,
     held: Mutex<HashMap<Arc<str>, Held>>,
+    /// Lease grants waiting for their replicas, by replica.
+    grants: Mutex<HashMap<Arc<str>, Batch>>,
 }
 
 impl Replication {
@@ -184,10 +245,8 @@ impl Replication {
             timeout: config.replication_timeout,
             queue: config.replication_queue,
             max_held,
-            started: AtomicU64::new(0),
-            finished: tokio::sync::watch::channel(0).0,
-            wake: tokio::sync::Notify::new(),
             held: Mutex::default(),
+            grants: Mutex::default(),
         }
     }
 
@@ -196,19 +255,63 @@ impl Replication {
         self.on
     }
 
-    /// Waits (at most the replication timeout) until a round started after this call
-    /// has been acknowledged: everything changed before it is at the replicas.
-    pub async fn sync(&self) {
-        if !self.on {
+    /// Sends the counters `keys` of `table` as they are now, and the leases just
+    /// granted on them, to their replicas at once, and waits (at most the replication
+    /// timeout) for the answers: a grant is answered once its replica has it.
+    pub async fn send_grants(
+        &self,
+        cluster: &Arc<Cluster>,
+        table: &StateTable,
+        keys: &[limiter_core::key::LimitKey],
+        leases: Vec<pb::LeaseState>,
+    ) {
+        if !self.on || keys.is_empty() {
             return;
         }
-        // SeqCst: a round that this load does not see starts after it, and takes
-        // the changes made before it.
-        let need = self.started.load(Ordering::SeqCst) + 1;
-        let mut done = self.finished.subscribe();
-        self.wake.notify_one();
-        let waited = tokio::time::timeout(self.timeout, done.wait_for(|d| *d >= need)).await;
-        if waited.is_err() {
+        let ring = cluster.ring();
+        let me = &cluster.me.id;
+        let replica_of = |name: &str| -> Option<Arc<str>> {
+            (ring.owner(name)?.id == *me)
+                .then(|| ring.owner_without(name, me))
+                .flatten()
+                .map(|m| m.id.clone())
+        };
+        let refs: Vec<_> = keys.iter().map(|k| k.as_ref()).collect();
+        let mut by_replica: HashMap<Arc<str>, Batch> = HashMap::new();
+        for copy in table.copies_of(&refs) {
+            let (Some(to), Some(c)) = (replica_of(&ring_name(&copy.0)), wire(&copy)) else {
+                continue;
+            };
+            by_replica.entry(to).or_default().counters.push(c);
+        }
+        for l in leases {
+            if let Some(to) = replica_of(&l.tenant) {
+                by_replica.entry(to).or_default().leases.push(l);
+            }
+        }
+        let mut answers = Vec::new();
+        for (to, mut part) in by_replica {
+            let (tx, rx) = tokio::sync::oneshot::channel();
+            part.waiting.push(tx);
+            answers.push(rx);
+            let start = {
+                let mut grants = self.grants.lock();
+                let q = grants.entry(to.clone()).or_default();
+                q.counters.append(&mut part.counters);
+                q.leases.append(&mut part.leases);
+                q.waiting.append(&mut part.waiting);
+                !std::mem::replace(&mut q.sending, true)
+            };
+            if start {
+                tokio::spawn(send_grant_batches(cluster.clone(), to));
+            }
+        }
+        let all = async {
+            for rx in answers {
+                let _ = rx.await;
+            }
+        };
+        if tokio::time::timeout(self.timeout, all).await.is_err() {
             tracing::debug!("a lease grant was answered before its replica acknowledged it");
         }
     }
@@ -231,6 +334,18 @@ impl Replication {
         let others: usize =
             held.iter().filter(|(id, _)| ***id != *req.from).map(|(_, h)| h.counters.len()).sum();
         let h = held.entry(req.from.as_str().into()).or_default();
+        if req.direct {
+            // A lease grant's: newest copies win whatever the order of arrival.
+            if !h.overflowed {
+                for c in &req.counters {
+                    keep(&mut h.counters, c);
+                }
+                for l in &req.leases {
+                    h.leases.insert(l.id, l.clone());
+                }
+            }
+            return Ok(false);
+        }
         h.last_at = now;
         if req.reset {
             *h = Held { next: req.seq, syncing: true, last_at: now, ..Held::default() };
@@ -246,7 +361,7 @@ impl Replication {
             return Ok(false);
         }
         for c in &req.counters {
-            h.counters.insert(counter_id(c), c.clone());
+            keep(&mut h.counters, c);
         }
         for l in &req.leases {
             h.leases.insert(l.id, l.clone());
@@ -328,17 +443,16 @@ pub async fn run(cluster: Arc<Cluster>, state: Arc<dyn LocalState>, cancel: Canc
     let mut out: HashMap<Arc<str>, Outgoing> = HashMap::new();
     let mut members: Vec<Arc<str>> = Vec::new();
     let mut last_take = cluster.clock.now();
+    let mut tick = tokio::time::interval(r.interval);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         tokio::select! {
             () = cancel.cancelled() => return,
-            () = tokio::time::sleep(r.interval) => {}
-            () = r.wake.notified() => {}
+            _ = tick.tick() => {}
         }
-        let round = r.started.fetch_add(1, Ordering::SeqCst) + 1;
         if cluster.joined() {
             last_take = cluster.replicate_round(&state, &mut out, &mut members, last_take).await;
         }
-        r.finished.send_replace(round);
     }
 }
 
@@ -380,12 +494,12 @@ impl Cluster {
             }
             ring.owner_without(name, &me).map(|m| m.id.clone())
         };
-        for (key, state) in &changes {
-            let Some(o) = replica_of(&ring_name(key)).and_then(|to| out.get_mut(&to)) else {
+        for copy in &changes {
+            let Some(o) = replica_of(&ring_name(&copy.0)).and_then(|to| out.get_mut(&to)) else {
                 continue;
             };
             if o.full.is_none()
-                && let Some(c) = wire(key, state)
+                && let Some(c) = wire(copy)
             {
                 o.counters.insert(counter_id(&c), c);
                 o.since.get_or_insert(since);
@@ -452,11 +566,8 @@ impl Cluster {
             };
             let started = self.clock.now();
             let table = state.counters().expect("checked by run").table();
-            let counters: Vec<pb::CounterState> = table
-                .snapshot_where(|k| picks(&ring_name(k)))
-                .iter()
-                .filter_map(|(k, s)| wire(k, s))
-                .collect();
+            let counters: Vec<pb::CounterState> =
+                table.snapshot_where(|k| picks(&ring_name(k))).iter().filter_map(wire).collect();
             let leases = state.leases().open_where(&picks);
             let chunks =
                 counters.len().div_ceil(PER_MESSAGE).max(leases.len().div_ceil(PER_MESSAGE)).max(1);

@@ -53,6 +53,14 @@ fn failure_policy(p: FailurePolicy) -> pb::FailurePolicy {
     }
 }
 
+/// What one lease call granted: the counters it charged and the leases it opened
+/// (sent to their replicas before the call is answered).
+#[derive(Debug, Default)]
+struct Granted {
+    keys: Vec<limiter_core::key::LimitKey>,
+    leases: Vec<pb::LeaseState>,
+}
+
 impl Owner {
     /// The answer for a lease item's waiting request when its owner cannot decide it
     /// (out of reach, or fenced after a loss): its route's failure policy.
@@ -94,26 +102,29 @@ impl Owner {
         let holder = holder(agent);
         let policy = self.policies().current();
         let mut grants = Vec::with_capacity(items.len());
+        let mut granted = Granted::default();
         for (i, item) in items.iter().enumerate() {
-            grants.push(self.lease_item(holder, &policy, item).await.map_err(|e| (i, e))?);
+            let grant = self.lease_item(holder, &policy, item, &mut granted).await;
+            grants.push(grant.map_err(|e| (i, e))?);
         }
         // Grants are pre-paid and may be spent for a whole hold: the replica has them
         // before their holders do, so that a take-over after this node's death never
         // grants the same units again.
-        if grants.iter().any(|g| g.units > 0)
-            && let Some(c) = self.shared()
+        if let (Some(c), Some(l)) = (self.shared(), self.store().limiter())
+            && !granted.keys.is_empty()
         {
-            c.replication().sync().await;
+            c.replication().send_grants(c, l.table(), &granted.keys, granted.leases).await;
         }
         Ok(grants)
     }
 
-    /// One item of a lease call.
+    /// One item of a lease call; what it granted is added to `granted`.
     async fn lease_item(
         &self,
         holder: u64,
         policy: &ActivePolicy,
         item: &pb::LeaseItem,
+        granted: &mut Granted,
     ) -> Result<pb::LeaseGrant, ServerError> {
         let req = Request {
             tenant: &item.tenant,
@@ -279,15 +290,21 @@ impl Owner {
         // Filed under its ring name (a slice: its root key's), so that a move hands
         // it to the next owner of what it was granted from.
         let key = (name.into_boxed_str(), item.route.as_str().into(), req.key.map(Into::into));
-        let ring_name = key.0.clone();
-        let id = self.leases().book.lock().open(LeaseRecord {
-            holder,
-            key,
-            units: g.units,
-            granted_at: g.granted_at,
-            hold: g.hold,
-        });
-        self.leases().changed(id, &ring_name);
+        let record =
+            LeaseRecord { holder, key, units: g.units, granted_at: g.granted_at, hold: g.hold };
+        let id = self.leases().book.lock().open(record.clone());
+        self.leases().changed(id, &record.key.0);
+        // An agent's grant goes to its replica before it is answered. A slice of a root
+        // key (another node's) goes with the next round instead: slices are what other
+        // nodes' grants are paid from, and waiting for a replica on that path as well
+        // cost the global ceiling a tenth of its use (README: a root owner's death may
+        // slice out its last round again).
+        if g.units > 0 && slice_of.is_none() {
+            granted
+                .keys
+                .extend(chain.keys().iter().map(limiter_core::key::LimitKeyRef::to_owned_key));
+            granted.leases.push(book::wire((id, record)));
+        }
         if let (false, Some(c)) = (slices.is_empty(), self.shared()) {
             c.slices().funded(id, &slices.keys, slices_until);
         }

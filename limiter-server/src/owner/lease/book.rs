@@ -303,7 +303,7 @@ impl Leases {
 }
 
 /// A lease as the wire carries it between nodes.
-fn wire((id, r): (u64, LeaseRecord<ChainKey>)) -> pb::LeaseState {
+pub(super) fn wire((id, r): (u64, LeaseRecord<ChainKey>)) -> pb::LeaseState {
     pb::LeaseState {
         id,
         holder: r.holder,

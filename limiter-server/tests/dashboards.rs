@@ -121,6 +121,10 @@ async fn the_status_page_shows_reasons_routes_and_top_tenants_in_a_browser() {
     assert!(routes.contains("<td>/search</td><td class=\"n\">"), "{routes}");
     assert!(routes.contains("<td>other</td>"), "{routes}");
     assert!(table("top-tenants").contains("<td>acme</td>"));
+    // Replication and counters begun afresh (none on a node alone).
+    let leases = table("leases");
+    assert!(leases.contains("<td>replication</td><td>off</td>"), "{leases}");
+    assert!(leases.contains("evicted 0"), "{leases}");
     assert!(dom.contains("policy version 1"), "status line missing");
 
     let shot = out.join("dashboard.png");

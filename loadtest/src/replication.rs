@@ -83,13 +83,72 @@ fn quantile(buckets: &[(f64, f64)], q: f64) -> Option<f64> {
     buckets.iter().find(|(_, c)| *c >= q * total).map(|(le, _)| *le)
 }
 
-/// One measurement: decisions per second answered, and with replication the delay
-/// quantiles (p50, p99) and the changes sent.
-async fn measure(
-    policy: &Path,
-    on: bool,
-    o: &Options,
-) -> anyhow::Result<(u64, Option<(f64, f64)>, f64)> {
+/// Lease calls one at a time, each to its tenant's owner (renewing its last lease),
+/// on an idle cluster: their latencies' p50 and p99 in microseconds.
+async fn lease_latency(nodes: &[Node], tenants: usize) -> anyhow::Result<(u64, u64)> {
+    let mut clients = Vec::new();
+    for n in nodes {
+        clients.push(RateLimiterClient::connect(n.url()).await?);
+    }
+    let names: Vec<String> = (0..tenants.min(300)).map(|t| format!("tenant-{t}")).collect();
+    let owners = clients[0]
+        .topology(pb::TopologyRequest { tenants: names.clone() })
+        .await?
+        .into_inner()
+        .owners;
+    let mut held = vec![0u64; names.len()];
+    let mut took = Vec::new();
+    for round in 0..3 {
+        for (i, t) in names.iter().enumerate() {
+            let at = nodes.iter().position(|n| n.id == owners[i]).unwrap_or(0);
+            let req = pb::LeaseRequest {
+                agent_id: "replication-bench".into(),
+                items: vec![pb::LeaseItem {
+                    tenant: t.clone(),
+                    route: "/api".into(),
+                    lease_id: held[i],
+                    unspent: 5,
+                    want: 5,
+                    cost: 0,
+                    ..Default::default()
+                }],
+                epoch: 0,
+            };
+            let start = tokio::time::Instant::now();
+            let r = clients[at].lease(req).await?.into_inner();
+            if round > 0 {
+                took.push(u64::try_from(start.elapsed().as_micros()).unwrap_or(u64::MAX));
+            }
+            held[i] = r.grants.first().map_or(0, |g| g.lease_id);
+        }
+    }
+    took.sort_unstable();
+    let q = |f: f64| {
+        #[allow(
+            clippy::cast_possible_truncation,
+            clippy::cast_sign_loss,
+            clippy::cast_precision_loss
+        )]
+        let i = ((took.len() as f64 * f) as usize).min(took.len().saturating_sub(1));
+        took.get(i).copied().unwrap_or(0)
+    };
+    Ok((q(0.5), q(0.99)))
+}
+
+/// One measurement.
+struct Measured {
+    /// Decisions answered per second.
+    rate: u64,
+    /// With replication: the delay quantiles (p50, p99), seconds.
+    delay: Option<(f64, f64)>,
+    /// Replication messages acknowledged.
+    messages: f64,
+    /// Lease call p50 and p99 on the idle cluster, microseconds.
+    lease: (u64, u64),
+}
+
+/// One measurement of one setting.
+async fn measure(policy: &Path, on: bool, o: &Options) -> anyhow::Result<Measured> {
     let env = [("LIMITER__CLUSTER__REPLICATION".to_owned(), on.to_string())];
     let nodes = Node::start_all(3, policy, &env).await?;
     wait_ring(&nodes).await?;
@@ -126,8 +185,9 @@ async fn measure(
             .iter()
             .map(|b| crate::procs::metric(b, "limiter_replication_messages_total", &["ok"]))
             .sum::<f64>();
+    let lease = lease_latency(&nodes, o.tenants).await?;
     drop(nodes);
-    Ok((rate, delay, messages))
+    Ok(Measured { rate, delay, messages, lease })
 }
 
 fn ms(s: f64) -> String {
@@ -144,36 +204,43 @@ pub async fn run(o: &Options, dir: &Path) -> anyhow::Result<String> {
     std::fs::write(&policy, cpu::policy(o.tenants))?;
     let mut md = format!(
         "Three nodes, {} tenants, {} calls in flight spread over the nodes, {} s per setting \
-         per round, every request admitted (each one a counter change to replicate):\n\n\
-         | round | replication off | replication on | on / off | change to replica ack p50 / p99 | messages / s |\n\
-         | --- | --- | --- | --- | --- | --- |\n",
+         per round, every request admitted (each one a counter change to replicate); then, \
+         idle, 600 lease calls one at a time, each to its tenant's owner:\n\n\
+         | round | decisions/s, off | on | on / off | change to replica ack p50 / p99 | \
+         messages/s | lease call p50 / p99, off | on |\n\
+         | --- | --- | --- | --- | --- | --- | --- | --- |\n",
         o.tenants, o.in_flight, o.secs
     );
     for round in 0..o.rounds {
         let order = if round % 2 == 0 { [false, true] } else { [true, false] };
-        let mut off = 0;
-        let mut on = (0, None, 0.0);
+        let mut off = None;
+        let mut on = None;
         for setting in order {
             let m = measure(&policy, setting, o).await?;
             if setting {
-                on = m;
+                on = Some(m);
             } else {
-                off = m.0;
+                off = Some(m);
             }
         }
+        let (Some(off), Some(on)) = (off, on) else { continue };
         #[allow(clippy::cast_precision_loss)] // a ratio of counts
-        let ratio = on.0 as f64 / off.max(1) as f64;
+        let ratio = on.rate as f64 / off.rate.max(1) as f64;
         let delay = on
-            .1
+            .delay
             .map_or_else(|| "none".to_owned(), |(p50, p99)| format!("{} / {}", ms(p50), ms(p99)));
         #[allow(clippy::cast_precision_loss)] // a rate
-        let per_sec = on.2 / o.secs as f64;
+        let per_sec = on.messages / o.secs as f64;
         writeln!(
             md,
-            "| {} | {}/s | {}/s | **{ratio:.2}x** | {delay} | {per_sec:.0} |",
+            "| {} | {} | {} | **{ratio:.2}x** | {delay} | {per_sec:.0} | {} / {} µs | {} / {} µs |",
             round + 1,
-            off,
-            on.0
+            off.rate,
+            on.rate,
+            off.lease.0,
+            off.lease.1,
+            on.lease.0,
+            on.lease.1
         )?;
     }
     Ok(md)

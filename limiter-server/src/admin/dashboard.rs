@@ -12,6 +12,7 @@
 //!   "routes": [ { "name", "on_limiter_failure", "shadow", "lease" } ],
 //!   "leases": { "outstanding", "open", "granted", "returned", "spent", "written_off" },
 //!   "ring": { "epoch", "members" },
+//!   "replication": { "on", "held", "lag_seconds", "queued", "resets": { REASON: n } },
 //!   "top_tenants": { "by_rejections": [..], "by_admitted_cost": [..] },
 //!   "top_keys": { "by_rejections": [..], "by_admitted_cost": [..] } }
 //! ```
@@ -93,7 +94,8 @@ impl History {
     pub(crate) fn sample(&self, now: u64) {
         let handle = m::handle();
         handle.run_upkeep();
-        let t = totals(&handle.render());
+        let text = handle.render();
+        let t = totals(&text);
         let mut s = self.samples.lock();
         s.push_back((now, t));
         while s.len() > HISTORY + 1 {
@@ -131,7 +133,8 @@ fn hitters(v: &[Hitter]) -> Value {
 pub(crate) fn data(owner: &Owner, history: &History, members: &[String]) -> Value {
     let handle = m::handle();
     handle.run_upkeep();
-    let t = totals(&handle.render());
+    let text = handle.render();
+    let t = totals(&text);
     let active = owner.policies().current();
     let status = owner.policies().status();
     let leases = owner.leases().totals();
@@ -178,6 +181,7 @@ pub(crate) fn data(owner: &Owner, history: &History, members: &[String]) -> Valu
             "returned": leases.returned, "spent": leases.spent, "written_off": leases.written_off,
         },
         "ring": ring(owner, members),
+        "replication": replication(owner, &text),
         "top_tenants": { "by_rejections": hitters(&tr), "by_admitted_cost": hitters(&ta) },
         "top_keys": { "by_rejections": hitters(&kr), "by_admitted_cost": hitters(&ka) },
     })
@@ -195,6 +199,36 @@ fn ring(owner: &Owner, alone: &[String]) -> Value {
         }
         None => json!({ "epoch": 0, "members": alone }),
     }
+}
+
+/// Replication as the status page shows it: whether on, counters held for other
+/// nodes, the worst replica lag and the changes queued (from the exported gauges),
+/// and the counters begun afresh by reason.
+fn replication(owner: &Owner, text: &str) -> Value {
+    let series = |name: &'static str| {
+        text.lines()
+            .filter(move |l| l.starts_with(name) && l[name.len()..].starts_with(['{', ' ']))
+            .filter_map(|l| {
+                let (labels, v) = l.rsplit_once(' ')?;
+                Some((labels, v.parse::<f64>().ok()?))
+            })
+    };
+    let lag = series(m::REPLICATION_LAG).map(|(_, v)| v).fold(0.0, f64::max);
+    let queued: f64 = series(m::REPLICATION_QUEUE).map(|(_, v)| v).sum();
+    let resets: BTreeMap<&str, f64> = series(m::STATE_RESETS)
+        .filter_map(|(labels, v)| {
+            let reason = labels.split("reason=\"").nth(1)?.split('"').next()?;
+            Some((reason, v))
+        })
+        .collect();
+    let cluster = owner.cluster().filter(|c| !c.is_single());
+    json!({
+        "on": cluster.is_some_and(|c| c.replication().is_on()),
+        "held": cluster.map_or(0, |c| c.replicas().held()),
+        "lag_seconds": lag,
+        "queued": queued,
+        "resets": resets,
+    })
 }
 
 /// Samples the history once a second until `cancel` fires.

@@ -234,8 +234,17 @@ fn counter(tenant: &str, state: Vec<u8>, version: u64) -> pb::CounterState {
     }
 }
 
-#[tokio::test]
-async fn a_lost_owner_is_replaced_by_its_replica_and_a_double_loss_is_fenced_and_counted() {
+/// Node `a` with counters, ten seconds after its first view of `a`, `b` and `c`.
+struct Steady {
+    clock: Arc<ManualClock>,
+    a: Cluster,
+    state: State,
+    all: Ring,
+    now: u64,
+    tenants: Vec<(String, String)>,
+}
+
+async fn steady_with_counters() -> Steady {
     let clock = Arc::new(ManualClock::new(START));
     let a = node(&clock);
     let state = State::new(Some(limiter_core::Limiter::new(10_000)));
@@ -244,12 +253,28 @@ async fn a_lost_owner_is_replaced_by_its_replica_and_a_double_loss_is_fenced_and
     clock.advance(Duration::from_secs(10));
     let now = clock_now(&clock);
     let tenants = owners(&all, 120);
-    // c's tenants whose next owner is a: their replica is here.
-    let next_a: Vec<&String> = tenants
+    Steady { clock, a, state, all, now, tenants }
+}
+
+/// The tenants `owner` owns in `ring` whose next owner is `next`.
+fn next_of<'t>(
+    ring: &Ring,
+    tenants: &'t [(String, String)],
+    owner: &str,
+    next: &str,
+) -> Vec<&'t String> {
+    tenants
         .iter()
-        .filter(|(t, o)| o == "c" && all.owner_without(t, "c").is_some_and(|m| &*m.id == "a"))
+        .filter(|(t, o)| o == owner && ring.owner_without(t, owner).is_some_and(|m| &*m.id == next))
         .map(|(t, _)| t)
-        .collect();
+        .collect()
+}
+
+#[tokio::test]
+async fn a_lost_owner_is_replaced_by_its_replica_and_a_double_loss_is_fenced_and_counted() {
+    let Steady { clock, a, state, all, now, tenants } = steady_with_counters().await;
+    // c's tenants whose next owner is a: their replica is here.
+    let next_a = next_of(&all, &tenants, "c", "a");
     assert!(next_a.len() > 5, "{}", next_a.len());
     let copy = pb::ReplicateRequest {
         from: "c".into(),
@@ -322,19 +347,8 @@ async fn a_lost_owner_is_replaced_by_its_replica_and_a_double_loss_is_fenced_and
 
 #[tokio::test]
 async fn a_replica_behind_its_owner_does_not_stand_for_it() {
-    let clock = Arc::new(ManualClock::new(START));
-    let a = node(&clock);
-    let state = State::new(Some(limiter_core::Limiter::new(10_000)));
-    let all = Ring::new(1, vec![member("a", 1), member("b", 2), member("c", 3)]);
-    a.install(all.clone(), &state).await;
-    clock.advance(Duration::from_secs(10));
-    let now = clock_now(&clock);
-    let tenants = owners(&all, 120);
-    let next_a: Vec<&String> = tenants
-        .iter()
-        .filter(|(t, o)| o == "c" && all.owner_without(t, "c").is_some_and(|m| &*m.id == "a"))
-        .map(|(t, _)| t)
-        .collect();
+    let Steady { clock, a, state, all, now, tenants } = steady_with_counters().await;
+    let next_a = next_of(&all, &tenants, "c", "a");
     // A full copy begun but never finished.
     let start = pb::ReplicateRequest {
         from: "c".into(),

@@ -261,13 +261,13 @@ async fn killed_node(replication: bool) {
     let by_limits =
         log.iter().filter(|(_, _, allowed, reason)| *allowed && *reason != unavailable).count();
     let bucket_bound = victims.len() as f64 * (20.0 + 20.0 * span + 2.0);
+    let recovered = log
+        .iter()
+        .filter(|(t, open, allowed, _)| *t > killed_at && !*open && *allowed)
+        .map(|(t, ..)| *t - killed_at)
+        .min()
+        .expect("the closed route is served again");
     if replication {
-        let recovered = log
-            .iter()
-            .filter(|(t, open, allowed, _)| *t > killed_at && !*open && *allowed)
-            .map(|(t, ..)| *t - killed_at)
-            .min()
-            .expect("the closed route is served again");
         let rejected = log
             .iter()
             .filter(|(t, open, allowed, reason)| {
@@ -290,12 +290,6 @@ async fn killed_node(replication: bool) {
         return;
     }
     let fence = Duration::from_secs(2);
-    let recovered = log
-        .iter()
-        .filter(|(t, open, allowed, _)| *t > killed_at && !*open && *allowed)
-        .map(|(t, ..)| *t - killed_at)
-        .min()
-        .expect("the closed route is served again");
     let closed_meanwhile = log
         .iter()
         .filter(|(t, open, allowed, _)| {

@@ -234,11 +234,6 @@ impl StateTable {
         self
     }
 
-    /// Whether changes are tracked.
-    pub fn tracks_changes(&self) -> bool {
-        self.changes.is_some()
-    }
-
     /// The key and state of every slot changed since the last call (nothing without
     /// [`Self::with_changes`]). A slot removed since its change is not listed: its
     /// state was idle, evicted or handed off.

@@ -285,7 +285,7 @@ async fn a_lost_owner_is_replaced_by_its_replica_and_a_double_loss_is_fenced_and
         ring: vec!["c".into(), "a".into(), "b".into()],
         ..Default::default()
     };
-    assert_eq!(a.replicas().receive(&a, &copy), Ok(false));
+    assert_eq!(a.replication().receive(&a, &copy), Ok(false));
     // The next change, then the same message again (an answer lost): both in order.
     let change = pb::ReplicateRequest {
         from: "c".into(),
@@ -293,8 +293,8 @@ async fn a_lost_owner_is_replaced_by_its_replica_and_a_double_loss_is_fenced_and
         counters: vec![counter(next_a[0], used(9, now), 20)],
         ..Default::default()
     };
-    assert_eq!(a.replicas().receive(&a, &change), Ok(false));
-    assert_eq!(a.replicas().receive(&a, &change), Ok(false));
+    assert_eq!(a.replication().receive(&a, &change), Ok(false));
+    assert_eq!(a.replication().receive(&a, &change), Ok(false));
     // A lease grant's copy sent at once, older than the change (it left before it and
     // arrived after): the newer copy stays.
     let late = pb::ReplicateRequest {
@@ -303,14 +303,14 @@ async fn a_lost_owner_is_replaced_by_its_replica_and_a_double_loss_is_fenced_and
         counters: vec![counter(next_a[0], used(1, now), 15)],
         ..Default::default()
     };
-    assert_eq!(a.replicas().receive(&a, &late), Ok(false));
+    assert_eq!(a.replication().receive(&a, &late), Ok(false));
     // A message out of order (or from an owner that never sent a full copy) asks for one.
     let gap = pb::ReplicateRequest { from: "b".into(), seq: 3, ..Default::default() };
-    assert_eq!(a.replicas().receive(&a, &gap), Ok(true));
+    assert_eq!(a.replication().receive(&a, &gap), Ok(true));
     // A stranger is refused and nothing is stored.
     let stranger = pb::ReplicateRequest { from: "z".into(), reset: true, ..copy.clone() };
-    assert!(a.replicas().receive(&a, &stranger).unwrap_err().contains("not a node"));
-    assert_eq!(a.replicas().held(), next_a.len());
+    assert!(a.replication().receive(&a, &stranger).unwrap_err().contains("not a node"));
+    assert_eq!(a.replication().held(), next_a.len());
 
     // b and c die together: c's tenants with their replica here are decided at once
     // with c's counts; those whose replica died with b are fenced, then counted as
@@ -356,7 +356,7 @@ async fn a_replica_behind_its_owner_does_not_stand_for_it() {
         counters: next_a.iter().map(|t| counter(t, used(3, now), 1)).collect(),
         ..Default::default()
     };
-    assert_eq!(a.replicas().receive(&a, &start), Ok(false));
+    assert_eq!(a.replication().receive(&a, &start), Ok(false));
     a.install(Ring::new(2, vec![member("a", 1), member("b", 2)]), &state).await;
     for t in &next_a {
         assert!(matches!(a.place(t, clock_now(&clock)), Placement::Fenced { .. }), "{t}");

@@ -224,7 +224,7 @@ fn replication(owner: &Owner, text: &str) -> Value {
     let cluster = owner.cluster().filter(|c| !c.is_single());
     json!({
         "on": cluster.is_some_and(|c| c.replication().is_on()),
-        "held": cluster.map_or(0, |c| c.replicas().held()),
+        "held": cluster.map_or(0, |c| c.replication().held()),
         "lag_seconds": lag,
         "queued": queued,
         "resets": resets,

@@ -192,7 +192,8 @@ impl RateLimiter for NativeService {
             return Err(Status::permission_denied("replicas come from other nodes only"));
         }
         let r = request.into_inner();
-        let resync = cluster.replicas().receive(cluster, &r).map_err(Status::permission_denied)?;
+        let resync =
+            cluster.replication().receive(cluster, &r).map_err(Status::permission_denied)?;
         Ok(Response::new(pb::ReplicateResponse { resync }))
     }
 }

@@ -139,8 +139,11 @@ pub struct Cluster {
     promoted: Mutex<HashMap<Arc<str>, Nanos>>,
     /// Lost nodes whose replica here could not stand for them, and why.
     behind: Mutex<HashMap<Arc<str>, replica::Behind>>,
-    /// Tenants already counted as begun afresh, by the transition that lost them.
-    afresh: Mutex<HashSet<(Nanos, Box<str>)>>,
+    /// Tenants already counted as begun afresh (a keyed hash of the name), by the
+    /// transition that lost them: looked up on each of their requests, so no name is
+    /// copied for it.
+    afresh: Mutex<HashSet<(Nanos, u64)>>,
+    afresh_key: std::hash::RandomState,
 }
 
 /// The most tenants remembered as begun afresh (beyond it the set starts over: a
@@ -189,6 +192,7 @@ impl Cluster {
             promoted: Mutex::default(),
             behind: Mutex::default(),
             afresh: Mutex::default(),
+            afresh_key: std::hash::RandomState::new(),
             peers: Peers::new(config.forward_timeout, security),
             slices: slices::Slices::default(),
             gate: tokio::sync::RwLock::new(()),
@@ -217,11 +221,6 @@ impl Cluster {
 
     /// Replication of this node's tenants, and its replicas of others'.
     pub fn replication(&self) -> &Replication {
-        &self.replication
-    }
-
-    /// The replicas this node holds (what [`Replication::receive`] stores).
-    pub fn replicas(&self) -> &Replication {
         &self.replication
     }
 
@@ -374,14 +373,16 @@ impl Cluster {
     /// Counts `name` (lost with `lost` in `t`, fenced, its fence over) as begun afresh,
     /// once.
     fn began_afresh(&self, t: &Transition, lost: &str, name: &str) {
+        use std::hash::BuildHasher as _;
+        let id = (t.at, self.afresh_key.hash_one(name));
         let mut seen = self.afresh.lock();
-        if seen.contains(&(t.at, name.into())) {
+        if seen.contains(&id) {
             return;
         }
         if seen.len() >= MAX_AFRESH {
             seen.clear();
         }
-        seen.insert((t.at, name.into()));
+        seen.insert(id);
         drop(seen);
         let next = t.before.owner_without(name, lost);
         let reason = if next.is_some_and(|m| m.id != self.me.id && t.after.member(&m.id).is_none())

@@ -25,7 +25,8 @@ use crate::metrics as m;
 pub(crate) struct Roles {
     /// Decisions, leases, topology, Envoy calls.
     pub client: bool,
-    /// What nodes send each other: handoffs and forwarded calls (implies `client`).
+    /// What nodes send each other: handoffs, replicas and forwarded calls (implies
+    /// `client`).
     pub peer: bool,
     /// The admin port.
     pub admin: bool,
@@ -308,6 +309,7 @@ impl Guard {
             Protocol::Http => Role::Admin,
             Protocol::Grpc
                 if path == "/limiter.v1.RateLimiter/Handoff"
+                    || path == "/limiter.v1.RateLimiter/Replicate"
                     || req.headers().contains_key(FORWARDED) =>
             {
                 Role::Peer

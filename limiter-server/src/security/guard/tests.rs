@@ -72,6 +72,10 @@ fn calls_need_the_role_they_use() {
         Err(Refusal::NotAllowed)
     );
     assert_eq!(check(handoff, &[("authorization", "Bearer p1")]), Ok(()));
+    // Replicas are a peer's too, with or without the forwarded header.
+    let replicate = "/limiter.v1.RateLimiter/Replicate";
+    assert_eq!(check(replicate, &[("authorization", "Bearer c1")]), Err(Refusal::NotAllowed));
+    assert_eq!(check(replicate, &[("authorization", "Bearer p1")]), Ok(()));
     // A new version of the file takes over; a broken one is refused and changes nothing.
     std::fs::write(&path, "gw client c2\n").unwrap();
     assert_eq!(tokens.reload(), Some(Ok(())));

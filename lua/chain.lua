@@ -32,8 +32,9 @@
 --   remaining     nothing
 -- ARGV[2]: now in microseconds, or -1 for Redis TIME (the default; tests pass fixed
 --   times to replay golden cases).
--- ARGV[12..]: four per level: kind (tb, fw, sl, sc) and three parameters (see the
---   algorithm's file).
+-- ARGV[12..]: per level its kind and parameters (see the algorithm's file): four
+--   for tb, fw, sl and sc (the kind and three numbers); eight for the calendar
+--   windows cw and cc (the kind, the limit and six window starts).
 -- Returns an array of integers (times in microseconds):
 --   decide     {1, tightest level (1-based, 0: none), remaining, reset after, now}
 --              {0, failing level (outermost), retry after (longest), 0, now}
@@ -51,7 +52,9 @@
 
 local algorithms = {
   tb = token_bucket, fw = fixed_window, sl = sliding_log, sc = sliding_counter,
+  cw = fixed_window, cc = sliding_counter,
 }
+local calendar = { cw = true, cc = true }
 
 local now = tonumber(ARGV[2])
 if now < 0 then
@@ -69,10 +72,16 @@ while ARGV[i] do
     algo = algo, key = KEYS[k], log = KEYS[k + 1],
     p1 = tonumber(ARGV[i + 1]), p2 = tonumber(ARGV[i + 2]), p3 = tonumber(ARGV[i + 3]),
   }
+  local width = 4
+  if calendar[ARGV[i]] then
+    lv.starts = {}
+    for j = 1, 6 do lv.starts[j] = tonumber(ARGV[i + 1 + j]) end
+    width = 8
+  end
   k = k + algo.keys
   algo.load(lv, now)
   levels[#levels + 1] = lv
-  i = i + 4
+  i = i + width
 end
 
 local function save_all()

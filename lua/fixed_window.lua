@@ -1,17 +1,22 @@
 -- fixed_window.lua: at most `limit` units per aligned window, like limiter-core's
--- FixedWindow (windows are aligned on the Unix epoch in microseconds).
+-- FixedWindow: a fixed length aligned on the Unix epoch (in microseconds), or a
+-- calendar window (a local day, week, month or year) whose starts the server passes.
 --
--- KEYS (one per level): a hash {i, c}: window index i (now // window) and its count.
+-- KEYS (one per level): a hash {i, c}: the window's number i (see window_span in
+--   lib.lua: now // window, or a calendar window's start) and its count.
 --   Absent, or another window's: nothing counted.
--- Level parameters (ARGV, after the kind `fw`): limit, window (microseconds), unused.
+-- Level parameters (ARGV, after the kind): `fw`: limit, window (microseconds),
+--   unused; `cw` (calendar): limit, then six consecutive window starts
+--   (microseconds) around the server's clock.
 -- Returns: nothing itself; chain.lua calls these functions.
--- Time: `now` in microseconds, from chain.lua (Redis TIME).
+-- Time: `now` in microseconds, from chain.lua (Redis TIME); a calendar window's
+--   boundaries from the server's timezone rules, the window picked by Redis's time.
 
 local fixed_window = { keys = 1 }
 
 function fixed_window.load(lv, now)
   local s = redis.call('HMGET', lv.key, 'i', 'c')
-  lv.index = idiv(now, lv.p2)
+  window_span(lv, now)
   lv.count = 0
   if s[1] and tonumber(s[1]) == lv.index then lv.count = tonumber(s[2]) end
 end
@@ -23,7 +28,7 @@ function fixed_window.remaining(lv, now)
 end
 
 local function until_next_window(lv, now)
-  return lv.p2 - now % lv.p2
+  return lv.start + lv.len - now
 end
 
 function fixed_window.retry_after(lv, now, cost)
@@ -42,7 +47,7 @@ function fixed_window.charge(lv, now, stamp, cost)
 end
 
 function fixed_window.refund(lv, now, stamp, units)
-  if idiv(stamp, lv.p2) == lv.index then
+  if window_of(lv, stamp) == 0 then
     lv.count = math.max(0, lv.count - units)
     lv.dirty = true
   end

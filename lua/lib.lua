@@ -87,3 +87,39 @@ local function expire_in(key, ttl_us, now)
   local spread = math.max(1, idiv(ms, 10))
   redis.call('PEXPIRE', key, ms + (now % 997) % spread + 1)
 end
+
+-- The window holding `now`, set on the level: lv.index (the window's number; a
+-- calendar window's is its start), lv.prev_index, lv.start, lv.len, lv.prev_len and
+-- lv.next_len. A fixed window is lv.p2 microseconds aligned on the epoch. A calendar
+-- window (lv.starts) is one of the windows whose six consecutive starts the server
+-- passed, computed from its own clock with the server's window third: Redis's clock
+-- (the time source) must fall in the second, third or fourth window, so both
+-- neighbours are known; further off, the call fails (a store error) rather than
+-- guess a boundary.
+local function window_span(lv, now)
+  local s = lv.starts
+  if s then
+    for j = 2, 4 do
+      if s[j] <= now and now < s[j + 1] then
+        lv.index, lv.prev_index = s[j], s[j - 1]
+        lv.start, lv.len = s[j], s[j + 1] - s[j]
+        lv.prev_len, lv.next_len = s[j] - s[j - 1], s[j + 2] - s[j + 1]
+        return
+      end
+    end
+    error('redis time ' .. int(now) .. ' is outside the calendar windows the server sent')
+  end
+  local w = lv.p2
+  lv.index = idiv(now, w)
+  lv.prev_index = lv.index - 1
+  lv.start = lv.index * w
+  lv.len, lv.prev_len, lv.next_len = w, w, w
+end
+
+-- Which window an instant at or before the current window falls in: 0 the current
+-- one, 1 the previous one, nil an older one (nothing of it counts any more).
+local function window_of(lv, t)
+  if t >= lv.start then return 0 end
+  if t >= lv.start - lv.prev_len then return 1 end
+  return nil
+end

@@ -10,6 +10,7 @@
 //! a [`Decision`] with a stable [`Reason`].
 
 pub mod algorithm;
+pub mod calendar;
 pub mod clock;
 pub mod decision;
 pub mod error;

@@ -84,18 +84,40 @@ impl Limit {
     }
 
     /// The quota and its window in nanoseconds, as the `RateLimit-Policy` header
-    /// states them: a bucket's burst over the time it takes to refill it.
+    /// states them: a bucket's burst over the time it takes to refill it; a calendar
+    /// window's typical length (see [`Self::quota_at`] for the real one).
     pub fn quota(&self) -> (u64, Nanos) {
         match self {
-            Self::TokenBucket(b) => {
-                let refill = u128::from(b.burst().get()) * u128::from(b.rate().period().get())
-                    / u128::from(b.rate().amount().get());
-                (b.burst().get(), u64::try_from(refill).unwrap_or(u64::MAX).max(1))
-            }
-            Self::FixedWindow(w) => (w.limit().get(), w.window().get()),
+            Self::TokenBucket(b) => Self::bucket_quota(b),
+            Self::FixedWindow(w) => (w.limit().get(), w.window().nominal()),
             Self::SlidingLog(w) => (w.limit().get(), w.window().get()),
-            Self::SlidingCounter(w) => (w.limit().get(), w.window().get()),
+            Self::SlidingCounter(w) => (w.limit().get(), w.window().nominal()),
         }
+    }
+
+    /// Like [`Self::quota`], with a calendar window's real length at `now` (a day
+    /// of 23 hours, a month of 28 days).
+    pub fn quota_at(&self, now: Nanos) -> (u64, Nanos) {
+        match self {
+            Self::FixedWindow(w) => (w.limit().get(), w.window().span(now).len),
+            Self::SlidingCounter(w) => (w.limit().get(), w.window().span(now).len),
+            _ => self.quota(),
+        }
+    }
+
+    /// The calendar rule of a calendar window, if the limit has one.
+    pub fn calendar(&self) -> Option<crate::calendar::Calendar> {
+        match self {
+            Self::FixedWindow(w) => w.window().calendar(),
+            Self::SlidingCounter(w) => w.window().calendar(),
+            _ => None,
+        }
+    }
+
+    fn bucket_quota(b: &TokenBucket) -> (u64, Nanos) {
+        let refill = u128::from(b.burst().get()) * u128::from(b.rate().period().get())
+            / u128::from(b.rate().amount().get());
+        (b.burst().get(), u64::try_from(refill).unwrap_or(u64::MAX).max(1))
     }
 }
 
@@ -104,13 +126,13 @@ impl fmt::Display for Limit {
         match self {
             Self::TokenBucket(b) => write!(f, "token_bucket {} burst {}", b.rate(), b.burst()),
             Self::FixedWindow(w) => {
-                write!(f, "fixed_window {} per {}", w.limit(), DurationText(w.window().get()))
+                write!(f, "fixed_window {} per {}", w.limit(), w.window())
             }
             Self::SlidingLog(w) => {
                 write!(f, "sliding_log {} per {}", w.limit(), DurationText(w.window().get()))
             }
             Self::SlidingCounter(w) => {
-                write!(f, "sliding_counter {} per {}", w.limit(), DurationText(w.window().get()))
+                write!(f, "sliding_counter {} per {}", w.limit(), w.window())
             }
         }
     }

@@ -53,8 +53,11 @@ fn placement(spec: Spec, local: bool, before: u64, after: u64) -> Spend {
     let (from, to) = match spec {
         _ if !local => (before, after),
         Spec::TokenBucket { .. } => (before.saturating_sub(TTL), before),
-        Spec::FixedWindow { window, .. } | Spec::SlidingCounter { window, .. } => {
-            (before.saturating_sub(TTL).max(before / window * window), before)
+        Spec::FixedWindow { .. }
+        | Spec::SlidingCounter { .. }
+        | Spec::CalendarWindow { .. }
+        | Spec::CalendarCounter { .. } => {
+            (before.saturating_sub(TTL).max(spec.window_bounds(before).0), before)
         }
         Spec::SlidingLog { .. } => (before, before + spec.grant_hold(before, TTL)),
     };

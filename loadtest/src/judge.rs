@@ -90,8 +90,11 @@ fn placement(spec: Spec, r: &Record, start_unix: u64, hold: u64) -> Spend {
     let (from, to) = match spec {
         _ if hold == 0 => (sent, answered),
         Spec::TokenBucket { .. } => (sent.saturating_sub(hold), answered),
-        Spec::FixedWindow { window, .. } | Spec::SlidingCounter { window, .. } => {
-            (sent.saturating_sub(hold).max(sent / window * window), answered)
+        Spec::FixedWindow { .. }
+        | Spec::SlidingCounter { .. }
+        | Spec::CalendarWindow { .. }
+        | Spec::CalendarCounter { .. } => {
+            (sent.saturating_sub(hold).max(spec.window_bounds(sent).0), answered)
         }
         Spec::SlidingLog { .. } => (sent, answered + spec.grant_hold(answered, hold)),
     };

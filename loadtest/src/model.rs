@@ -7,8 +7,11 @@ use std::path::Path;
 
 use anyhow::Context as _;
 use limiter_core::Limit;
+use limiter_core::algorithm::Window;
+use limiter_core::calendar::Calendar;
+use limiter_core::clock::{Clock as _, MonotonicClock};
 use limiter_core::policy::{Chain, NameBounds, Policy, Request};
-use limiter_reference::{Chains, Spec};
+use limiter_reference::{Chains, Spec, Starts};
 
 use crate::record::{Kind, Record};
 use crate::target::Names;
@@ -33,16 +36,48 @@ pub fn spec_of(limit: &Limit) -> Spec {
             period: b.rate().period().get(),
             burst: b.burst().get(),
         },
-        Limit::FixedWindow(w) => {
-            Spec::FixedWindow { limit: w.limit().get(), window: w.window().get() }
-        }
+        Limit::FixedWindow(w) => match w.window() {
+            Window::Fixed(window) => {
+                Spec::FixedWindow { limit: w.limit().get(), window: window.get() }
+            }
+            Window::Calendar(c) => {
+                Spec::CalendarWindow { limit: w.limit().get(), starts: calendar_starts(c) }
+            }
+        },
         Limit::SlidingLog(w) => {
             Spec::SlidingLog { limit: w.limit().get(), window: w.window().get() }
         }
-        Limit::SlidingCounter(w) => {
-            Spec::SlidingCounter { limit: w.limit().get(), window: w.window().get() }
-        }
+        Limit::SlidingCounter(w) => match w.window() {
+            Window::Fixed(window) => {
+                Spec::SlidingCounter { limit: w.limit().get(), window: window.get() }
+            }
+            Window::Calendar(c) => {
+                Spec::CalendarCounter { limit: w.limit().get(), starts: calendar_starts(c) }
+            }
+        },
     }
+}
+
+/// A calendar rule's window starts from two years before this process started to
+/// two years after (a load test runs minutes), made once per rule.
+fn calendar_starts(c: Calendar) -> Starts {
+    static TABLES: parking_lot::Mutex<Vec<(Calendar, Starts)>> =
+        parking_lot::Mutex::new(Vec::new());
+    let mut tables = TABLES.lock();
+    if let Some((_, s)) = tables.iter().find(|(k, _)| *k == c) {
+        return *s;
+    }
+    const YEAR: u64 = 366 * 86_400 * 1_000_000_000;
+    let now = MonotonicClock::new().now();
+    let mut t = now - 2 * YEAR;
+    let mut starts = vec![c.span(t).start];
+    while t < now + 2 * YEAR {
+        t = c.span(t).end();
+        starts.push(t);
+    }
+    let s = Starts::leak(starts);
+    tables.push((c, s));
+    s
 }
 
 /// A chain's levels as `(key, spec)` pairs for the reference.

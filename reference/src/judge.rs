@@ -50,8 +50,7 @@ pub fn judge(spec: Spec, spends: &[Spend], report: u64) -> Verdict {
     if best.overshoot == 0 {
         return best;
     }
-    let w = spec.window();
-    let window_end = |s: &Spend| s.to.min((s.from / w + 1) * w - 1).max(s.from);
+    let window_end = |s: &Spend| s.to.min(spec.window_bounds(s.from).1 - 1).max(s.from);
     for v in
         [placed_at(spec, spends, report, |s| s.to), placed_at(spec, spends, report, window_end)]
     {

@@ -7,7 +7,12 @@
 //!   refilled by `amount` per `period` up to `burst`;
 //! - fixed window: a count per aligned window;
 //! - sliding log: a list of `(instant, units)` entries;
-//! - sliding counter: the formula `prev x (W - e) / W + curr`, multiplied through by W.
+//! - sliding counter: the formula `prev x (W - e) / W + curr`, multiplied through by W;
+//! - calendar windows (a fixed window or a sliding counter over windows of unequal
+//!   lengths): the windows are given as the list of their starts, made by the caller
+//!   from a timezone's calendar; a sliding counter's previous window counts for the
+//!   part of it that the rolling window `(t - L, t]` (L the current window's length)
+//!   still covers, its units taken as spread evenly over its own length.
 //!
 //! Time is in ticks (nanoseconds for the core, microseconds for the scripts); every
 //! wait is found by searching for the earliest tick at which the definition says yes,
@@ -58,6 +63,57 @@ pub enum Spec {
         /// Window length in ticks.
         window: u64,
     },
+    /// At most `limit` units per window, the windows of a calendar.
+    CalendarWindow {
+        /// Units per window.
+        limit: u64,
+        /// The windows.
+        starts: Starts,
+    },
+    /// The current calendar window's count plus the previous one's, weighted by the
+    /// part of it the rolling window still covers.
+    CalendarCounter {
+        /// Units per window.
+        limit: u64,
+        /// The windows.
+        starts: Starts,
+    },
+}
+
+/// Consecutive window starts in ticks, ascending: window `i` is
+/// `[starts[i], starts[i + 1])`. The caller lists enough windows to cover every
+/// instant a test uses, and one either side.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Starts(pub &'static [u64]);
+
+impl Starts {
+    /// Leaks `starts` for the life of the test process (a test's tables are small).
+    pub fn leak(starts: Vec<u64>) -> Self {
+        assert!(starts.windows(2).all(|w| w[0] < w[1]), "window starts must ascend");
+        Self(Vec::leak(starts))
+    }
+
+    /// The window holding `t`.
+    pub fn index(&self, t: u64) -> u64 {
+        let i = self.0.partition_point(|&s| s <= t);
+        assert!(i >= 1 && i < self.0.len(), "instant {t} outside the calendar table");
+        (i - 1) as u64
+    }
+
+    /// Window `i`'s first tick.
+    pub fn start(&self, i: u64) -> u64 {
+        self.0[usize::try_from(i).expect("index")]
+    }
+
+    /// Window `i`'s length.
+    pub fn len(&self, i: u64) -> u64 {
+        self.start(i + 1) - self.start(i)
+    }
+
+    /// Whether the table is empty.
+    pub fn is_empty(&self) -> bool {
+        self.0.len() < 2
+    }
 }
 
 impl Spec {
@@ -67,7 +123,9 @@ impl Spec {
             Spec::TokenBucket { burst, .. } => burst,
             Spec::FixedWindow { limit, .. }
             | Spec::SlidingLog { limit, .. }
-            | Spec::SlidingCounter { limit, .. } => limit,
+            | Spec::SlidingCounter { limit, .. }
+            | Spec::CalendarWindow { limit, .. }
+            | Spec::CalendarCounter { limit, .. } => limit,
         }
     }
 
@@ -76,13 +134,31 @@ impl Spec {
         self.capacity().saturating_mul(MAX_DEBT_ALLOWANCES + 1)
     }
 
-    /// The window length (the period for a token bucket).
+    /// The window length (the period for a token bucket; a calendar's first
+    /// window's).
     pub fn window(&self) -> u64 {
         match *self {
             Spec::TokenBucket { period, .. } => period,
             Spec::FixedWindow { window, .. }
             | Spec::SlidingLog { window, .. }
             | Spec::SlidingCounter { window, .. } => window,
+            Spec::CalendarWindow { starts, .. } | Spec::CalendarCounter { starts, .. } => {
+                starts.len(0)
+            }
+        }
+    }
+
+    /// The first tick of the window holding `t`, and the window's end.
+    pub fn window_bounds(&self, t: u64) -> (u64, u64) {
+        match *self {
+            Spec::CalendarWindow { starts, .. } | Spec::CalendarCounter { starts, .. } => {
+                let i = starts.index(t);
+                (starts.start(i), starts.start(i + 1))
+            }
+            _ => {
+                let w = self.window();
+                (t / w * w, (t / w + 1) * w)
+            }
         }
     }
 
@@ -94,6 +170,9 @@ impl Spec {
             Spec::TokenBucket { .. } => hold,
             Spec::FixedWindow { window, .. } | Spec::SlidingCounter { window, .. } => {
                 hold.min(window - now % window)
+            }
+            Spec::CalendarWindow { .. } | Spec::CalendarCounter { .. } => {
+                hold.min(self.window_bounds(now).1 - now)
             }
             Spec::SlidingLog { window, .. } => hold.min(window / 40),
         }
@@ -148,6 +227,32 @@ impl Level {
         self.counts.get(&index).copied().unwrap_or(0)
     }
 
+    /// The window holding `t`, for the window algorithms.
+    fn index(&self, t: u64) -> u64 {
+        match self.spec {
+            Spec::FixedWindow { window, .. } | Spec::SlidingCounter { window, .. } => t / window,
+            Spec::CalendarWindow { starts, .. } | Spec::CalendarCounter { starts, .. } => {
+                starts.index(t)
+            }
+            _ => unreachable!("not a window algorithm"),
+        }
+    }
+
+    /// Calendar counter: `limit x P - prev x o - curr x P` at `t`, where `P` is the
+    /// previous window's length and `o` how much of it `(t - L, t]` covers.
+    fn calendar_room(&self, t: u64) -> (i128, i128) {
+        let Spec::CalendarCounter { limit, starts } = self.spec else { unreachable!() };
+        let i = starts.index(t);
+        let (prev_start, start) = (starts.start(i - 1), starts.start(i));
+        let rolling_from = t.saturating_sub(starts.len(i));
+        let covered = start.saturating_sub(prev_start.max(rolling_from));
+        let p = i128::from(start - prev_start);
+        let room = i128::from(limit) * p
+            - i128::from(self.count(i - 1)) * i128::from(covered)
+            - i128::from(self.count(i)) * p;
+        (room, p)
+    }
+
     /// Units in the sliding log that still count at `t`.
     fn live(&self, t: u64) -> u64 {
         let Spec::SlidingLog { window, .. } = self.spec else { unreachable!() };
@@ -174,6 +279,13 @@ impl Level {
             }
             Spec::SlidingLog { limit, .. } => i128::from(limit) - i128::from(self.live(t)),
             Spec::SlidingCounter { window, .. } => self.room(t).div_euclid(i128::from(window)),
+            Spec::CalendarWindow { limit, .. } => {
+                i128::from(limit) - i128::from(self.count(self.index(t)))
+            }
+            Spec::CalendarCounter { .. } => {
+                let (room, p) = self.calendar_room(t);
+                room.div_euclid(p)
+            }
         };
         u64::try_from(left.max(0)).unwrap_or(u64::MAX)
     }
@@ -186,6 +298,10 @@ impl Level {
             }
             Spec::SlidingCounter { window, .. } => {
                 self.room(t) >= i128::from(cost) * i128::from(window)
+            }
+            Spec::CalendarCounter { .. } => {
+                let (room, p) = self.calendar_room(t);
+                room >= i128::from(cost) * p
             }
             _ => cost <= self.remaining(t),
         }
@@ -202,6 +318,13 @@ impl Level {
             Spec::SlidingCounter { window, .. } => {
                 let i = t / window;
                 self.count(i) == 0 && i.checked_sub(1).is_none_or(|p| self.count(p) == 0)
+            }
+            Spec::CalendarWindow { .. } => self.count(self.index(t)) == 0,
+            Spec::CalendarCounter { starts, .. } => {
+                // Full once the previous window no longer weighs anything.
+                let i = starts.index(t);
+                let covers_prev = t.saturating_sub(starts.len(i)) < starts.start(i);
+                self.count(i) == 0 && (self.count(i - 1) == 0 || !covers_prev)
             }
         }
     }
@@ -233,12 +356,15 @@ impl Level {
                 self.tokens = (level - i128::from(cost) * i128::from(period)).max(floor.min(level));
                 self.at = now;
             }
-            Spec::FixedWindow { window, .. } | Spec::SlidingCounter { window, .. } => {
-                let c = self.counts.entry(now / window).or_default();
+            Spec::FixedWindow { .. }
+            | Spec::SlidingCounter { .. }
+            | Spec::CalendarWindow { .. }
+            | Spec::CalendarCounter { .. } => {
+                let index = self.index(now);
+                let c = self.counts.entry(index).or_default();
                 *c = c.saturating_add(cost).min(most);
                 // Only the current and previous windows ever count again.
-                let keep = (now / window).saturating_sub(1);
-                self.counts.retain(|&i, _| i >= keep);
+                self.counts.retain(|&i, _| i >= index.saturating_sub(1));
             }
             Spec::SlidingLog { limit, window } => {
                 self.log.retain(|&(at, _)| at + window > now);
@@ -299,15 +425,16 @@ impl Level {
                 self.tokens = (level + i128::from(units) * i128::from(period)).min(full.max(level));
                 self.at = now;
             }
-            Spec::FixedWindow { window, .. } => {
-                if stamp / window == now / window
-                    && let Some(c) = self.counts.get_mut(&(now / window))
+            Spec::FixedWindow { .. } | Spec::CalendarWindow { .. } => {
+                let now_index = self.index(now);
+                if self.index(stamp) == now_index
+                    && let Some(c) = self.counts.get_mut(&now_index)
                 {
                     *c -= units.min(*c);
                 }
             }
-            Spec::SlidingCounter { window, .. } => {
-                let (granted, current) = (stamp / window, now / window);
+            Spec::SlidingCounter { .. } | Spec::CalendarCounter { .. } => {
+                let (granted, current) = (self.index(stamp), self.index(now));
                 if (granted == current || granted + 1 == current)
                     && let Some(c) = self.counts.get_mut(&granted)
                 {

@@ -1,21 +1,23 @@
-//! Fixed window: at most `limit` units per aligned window `[k*W, (k+1)*W)`.
+//! Fixed window: at most `limit` units per aligned window: `[k*W, (k+1)*W)` for a
+//! fixed length, or a calendar window (a local day, week, month or year).
 
 use std::num::NonZeroU64;
 
-use super::{Algorithm, max_charged};
+use super::{Algorithm, Window, max_charged};
+use crate::calendar::Span;
 use crate::clock::Nanos;
 
 /// A fixed window's parameters.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct FixedWindow {
     limit: NonZeroU64,
-    window: NonZeroU64,
+    window: Window,
 }
 
 /// A fixed window's per-key state: 16 bytes.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct FixedWindowState {
-    /// Index of the window `count` belongs to.
+    /// Number of the window `count` belongs to.
     window: u64,
     count: u64,
 }
@@ -23,6 +25,11 @@ pub struct FixedWindowState {
 impl FixedWindow {
     /// At most `limit` units per window of `window` nanoseconds.
     pub fn new(limit: NonZeroU64, window: NonZeroU64) -> Self {
+        Self { limit, window: Window::Fixed(window) }
+    }
+
+    /// At most `limit` units per window, fixed or calendar.
+    pub fn with_window(limit: NonZeroU64, window: Window) -> Self {
         Self { limit, window }
     }
 
@@ -31,21 +38,14 @@ impl FixedWindow {
         self.limit
     }
 
-    /// Window length in nanoseconds.
-    pub fn window(&self) -> NonZeroU64 {
+    /// The window.
+    pub fn window(&self) -> Window {
         self.window
     }
 
-    fn index(&self, t: Nanos) -> u64 {
-        t / self.window.get()
-    }
-
-    fn count(&self, state: &FixedWindowState, now: Nanos) -> u64 {
-        if state.window == self.index(now) { state.count } else { 0 }
-    }
-
-    fn until_next_window(&self, now: Nanos) -> Nanos {
-        self.window.get() - now % self.window.get()
+    #[inline]
+    fn count(state: &FixedWindowState, span: &Span) -> u64 {
+        if state.window == span.index { state.count } else { 0 }
     }
 }
 
@@ -57,23 +57,25 @@ impl Algorithm for FixedWindow {
     }
 
     fn remaining(&self, state: &Self::State, now: Nanos) -> u64 {
-        self.limit.get().saturating_sub(self.count(state, now))
+        self.limit.get().saturating_sub(Self::count(state, &self.window.span(now)))
     }
 
     fn retry_after(&self, state: &Self::State, now: Nanos, cost: u64) -> Nanos {
-        if self.count(state, now).saturating_add(cost) <= self.limit.get() {
+        let span = self.window.span(now);
+        if Self::count(state, &span).saturating_add(cost) <= self.limit.get() {
             0
         } else {
-            self.until_next_window(now)
+            span.end() - now
         }
     }
 
     fn reset_after(&self, state: &Self::State, now: Nanos) -> Nanos {
-        if self.count(state, now) == 0 { 0 } else { self.until_next_window(now) }
+        let span = self.window.span(now);
+        if Self::count(state, &span) == 0 { 0 } else { span.end() - now }
     }
 
     fn charge(&self, state: &mut Self::State, now: Nanos, cost: u64) {
-        let index = self.index(now);
+        let index = self.window.span(now).index;
         if state.window != index {
             *state = FixedWindowState { window: index, count: 0 };
         }
@@ -81,23 +83,40 @@ impl Algorithm for FixedWindow {
     }
 
     fn refund(&self, state: &mut Self::State, now: Nanos, granted_at: Nanos, units: u64) {
-        let index = self.index(now);
-        if state.window == index && self.index(granted_at) == index {
+        let span = self.window.span(now);
+        if state.window == span.index
+            && self.window.index_near(&span, granted_at) == Some(span.index)
+        {
             state.count = state.count.saturating_sub(units);
         }
     }
 
     fn is_idle(&self, state: &Self::State, now: Nanos) -> bool {
-        self.count(state, now) == 0
+        Self::count(state, &self.window.span(now)) == 0
     }
 
     fn plausible(&self, state: &Self::State, now: Nanos, skew: Nanos) -> bool {
-        state.window <= self.index(now.saturating_add(skew))
+        state.window <= self.window.latest_index(now, skew)
             && state.count <= max_charged(self.limit.get())
     }
 
     fn grant_hold(&self, now: Nanos, hold: Nanos) -> Nanos {
-        hold.min(self.until_next_window(now))
+        hold.min(self.window.span(now).end() - now)
+    }
+
+    /// One window look-up for the check and the charge.
+    fn try_acquire(&self, state: &mut Self::State, now: Nanos, cost: u64) -> super::Check {
+        let span = self.window.span(now);
+        let count = Self::count(state, &span);
+        if count.saturating_add(cost) <= self.limit.get() {
+            *state = FixedWindowState { window: span.index, count: count + cost };
+            super::Check::Admit { remaining: self.limit.get() - count - cost }
+        } else {
+            let cost = cost.min(self.limit.get());
+            let fits = count.saturating_add(cost) <= self.limit.get();
+            let retry_after = if fits { 0 } else { span.end() - now };
+            super::Check::Deny { retry_after }
+        }
     }
 }
 

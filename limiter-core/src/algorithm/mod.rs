@@ -9,11 +9,13 @@ mod fixed_window;
 mod sliding_counter;
 mod sliding_log;
 mod token_bucket;
+mod window;
 
 pub use fixed_window::{FixedWindow, FixedWindowState};
 pub use sliding_counter::{SlidingCounter, SlidingCounterState};
 pub use sliding_log::{SlidingLog, SlidingLogState};
 pub use token_bucket::{TokenBucket, TokenBucketState};
+pub use window::Window;
 
 use crate::clock::Nanos;
 

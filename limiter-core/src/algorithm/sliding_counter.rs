@@ -1,26 +1,32 @@
 //! Sliding counter: the current aligned window's count plus the previous window's
 //! count weighted by the part of it still inside the rolling window.
 //!
-//! With `e` the time elapsed in the current window, a cost `c` is admitted when
-//! `prev * (W - e) / W + curr + c <= limit`, evaluated exactly (multiplied through
-//! by `W`, in `u128`).
+//! With `e` the time elapsed in the current window of length `L`, and the previous
+//! window of length `P`, the rolling window `(now - L, now]` still covers
+//! `o = min(P, L - e)` of the previous one, whose count is taken as spread evenly
+//! over its real length. A cost `c` is admitted when
+//! `prev * o / P + curr + c <= limit`, evaluated exactly (multiplied through by `P`,
+//! in `i128`). For a fixed window `L = P = W` and `o = W - e`: the usual
+//! `prev * (W - e) / W`. A calendar month after a longer one starts with the longer
+//! one's weight below 1 (28 of January's 31 days still count on the 1st of February).
 
 use std::num::NonZeroU64;
 
-use super::{Algorithm, max_charged, sat_u64};
+use super::{Algorithm, Window, max_charged, sat_u64};
+use crate::calendar::Span;
 use crate::clock::Nanos;
 
 /// A sliding counter's parameters.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct SlidingCounter {
     limit: NonZeroU64,
-    window: NonZeroU64,
+    window: Window,
 }
 
 /// A sliding counter's per-key state: 24 bytes.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct SlidingCounterState {
-    /// Index of the window `curr` belongs to.
+    /// Number of the window `curr` belongs to.
     window: u64,
     curr: u64,
     prev: u64,
@@ -29,15 +35,27 @@ pub struct SlidingCounterState {
 /// The counts as seen from `now`.
 #[derive(Debug, Clone, Copy)]
 struct View {
-    index: u64,
+    span: Span,
     elapsed: u64,
     prev: u64,
     curr: u64,
 }
 
+impl View {
+    /// How much of the previous window the rolling window still covers.
+    fn overlap(&self) -> u64 {
+        self.span.prev_len.min(self.span.len - self.elapsed)
+    }
+}
+
 impl SlidingCounter {
     /// At most `limit` units in a rolling `window` nanoseconds (estimated).
     pub fn new(limit: NonZeroU64, window: NonZeroU64) -> Self {
+        Self { limit, window: Window::Fixed(window) }
+    }
+
+    /// At most `limit` units in a rolling window, fixed or calendar.
+    pub fn with_window(limit: NonZeroU64, window: Window) -> Self {
         Self { limit, window }
     }
 
@@ -46,44 +64,44 @@ impl SlidingCounter {
         self.limit
     }
 
-    /// Window length in nanoseconds.
-    pub fn window(&self) -> NonZeroU64 {
+    /// The window.
+    pub fn window(&self) -> Window {
         self.window
     }
 
-    fn w(&self) -> u64 {
-        self.window.get()
-    }
-
     fn view(&self, state: &SlidingCounterState, now: Nanos) -> View {
-        let index = now / self.w();
-        let elapsed = now % self.w();
-        let (prev, curr) = if state.window == index {
+        let span = self.window.span(now);
+        let elapsed = now - span.start;
+        let (prev, curr) = if state.window == span.index {
             (state.prev, state.curr)
-        } else if state.window.checked_add(1) == Some(index) {
+        } else if state.window.checked_add(1) == Some(span.index) {
             (state.curr, 0)
         } else {
             (0, 0)
         };
-        View { index, elapsed, prev, curr }
+        View { span, elapsed, prev, curr }
     }
 
-    /// `limit*W - prev*(W-e) - curr*W`: the scaled room left (negative: none).
-    fn room(&self, v: View) -> i128 {
-        let w = i128::from(self.w());
-        i128::from(self.limit.get()) * w
-            - i128::from(v.prev) * (w - i128::from(v.elapsed))
-            - i128::from(v.curr) * w
+    /// `limit*P - prev*o - curr*P`: the room left, scaled by `P` (negative: none).
+    fn room(&self, v: &View) -> i128 {
+        let p = i128::from(v.span.prev_len);
+        i128::from(self.limit.get()) * p
+            - i128::from(v.prev) * i128::from(v.overlap())
+            - i128::from(v.curr) * p
     }
 
-    /// The least `e'` in `[0, W]` with `prev * (W - e') <= budget * W`.
-    fn earliest_elapsed(&self, prev: u64, budget: u64) -> u64 {
+    /// The least elapsed time `e'` in a window of length `len` after one of length
+    /// `prev_len` holding `prev` units, with `prev * min(prev_len, len - e') <=
+    /// budget * prev_len`.
+    fn earliest_elapsed(prev: u64, prev_len: u64, len: u64, budget: u64) -> u64 {
         if prev == 0 {
             return 0;
         }
-        let w = u128::from(self.w());
-        let slack = u128::from(budget) * w / u128::from(prev);
-        sat_u64(w.saturating_sub(slack))
+        let slack = u128::from(budget) * u128::from(prev_len) / u128::from(prev);
+        if slack >= u128::from(prev_len) {
+            return 0;
+        }
+        sat_u64(u128::from(len).saturating_sub(slack))
     }
 }
 
@@ -95,39 +113,41 @@ impl Algorithm for SlidingCounter {
     }
 
     fn remaining(&self, state: &Self::State, now: Nanos) -> u64 {
-        let room = self.room(self.view(state, now));
-        if room <= 0 { 0 } else { sat_u64(room.unsigned_abs() / u128::from(self.w())) }
+        let v = self.view(state, now);
+        let room = self.room(&v);
+        if room <= 0 { 0 } else { sat_u64(room.unsigned_abs() / u128::from(v.span.prev_len)) }
     }
 
     fn retry_after(&self, state: &Self::State, now: Nanos, cost: u64) -> Nanos {
         let v = self.view(state, now);
         let limit = self.limit.get();
-        if self.room(v) >= i128::from(cost) * i128::from(self.w()) {
+        if self.room(&v) >= i128::from(cost) * i128::from(v.span.prev_len) {
             return 0;
         }
-        let window_start = v.index * self.w();
+        let (start, len) = (v.span.start, v.span.len);
         // Later in the current window, as the previous window's weight fades.
         if let Some(budget) = limit.checked_sub(v.curr.saturating_add(cost)) {
-            let e = self.earliest_elapsed(v.prev, budget).max(v.elapsed);
-            if e < self.w() {
-                return window_start + e - now;
+            let e = Self::earliest_elapsed(v.prev, v.span.prev_len, len, budget).max(v.elapsed);
+            if e < len {
+                return start + e - now;
             }
         }
         // In the next window, where the current count becomes the previous one.
-        let e = self.earliest_elapsed(v.curr, limit - cost);
-        if e < self.w() {
-            return window_start + self.w() + e - now;
+        let next = v.span.next_len;
+        let e = Self::earliest_elapsed(v.curr, len, next, limit - cost);
+        if e < next {
+            return start + len + e - now;
         }
-        window_start + 2 * self.w() - now
+        start + len + next - now
     }
 
     fn reset_after(&self, state: &Self::State, now: Nanos) -> Nanos {
         let v = self.view(state, now);
-        let window_start = v.index * self.w();
+        let end = v.span.end();
         if v.curr > 0 {
-            window_start + 2 * self.w() - now
+            end + v.span.next_len - now
         } else if v.prev > 0 {
-            window_start + self.w() - now
+            end - now
         } else {
             0
         }
@@ -136,7 +156,7 @@ impl Algorithm for SlidingCounter {
     fn charge(&self, state: &mut Self::State, now: Nanos, cost: u64) {
         let v = self.view(state, now);
         *state = SlidingCounterState {
-            window: v.index,
+            window: v.span.index,
             curr: v.curr.saturating_add(cost).min(max_charged(self.limit.get())),
             prev: v.prev,
         };
@@ -144,16 +164,13 @@ impl Algorithm for SlidingCounter {
 
     fn refund(&self, state: &mut Self::State, now: Nanos, granted_at: Nanos, units: u64) {
         let v = self.view(state, now);
-        let granted = granted_at / self.w();
         let (mut prev, mut curr) = (v.prev, v.curr);
-        if granted == v.index {
-            curr = curr.saturating_sub(units);
-        } else if granted.checked_add(1) == Some(v.index) {
-            prev = prev.saturating_sub(units);
-        } else {
-            return;
+        match self.window.index_near(&v.span, granted_at) {
+            Some(i) if i == v.span.index => curr = curr.saturating_sub(units),
+            Some(_) => prev = prev.saturating_sub(units),
+            None => return,
         }
-        *state = SlidingCounterState { window: v.index, curr, prev };
+        *state = SlidingCounterState { window: v.span.index, curr, prev };
     }
 
     fn is_idle(&self, state: &Self::State, now: Nanos) -> bool {
@@ -163,13 +180,13 @@ impl Algorithm for SlidingCounter {
 
     fn plausible(&self, state: &Self::State, now: Nanos, skew: Nanos) -> bool {
         let most = max_charged(self.limit.get());
-        state.window <= now.saturating_add(skew) / self.w()
+        state.window <= self.window.latest_index(now, skew)
             && state.curr <= most
             && state.prev <= most
     }
 
     fn grant_hold(&self, now: Nanos, hold: Nanos) -> Nanos {
-        hold.min(self.w() - now % self.w())
+        hold.min(self.window.span(now).end() - now)
     }
 }
 

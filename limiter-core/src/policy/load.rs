@@ -11,7 +11,8 @@ use super::{
     FailurePolicy, LeaseSettings, LimitRule, Map, Policy, RouteSpec, TenantRouteSpec, TenantSpec,
     UnknownTenants,
 };
-use crate::algorithm::{Algorithm, FixedWindow, SlidingCounter, SlidingLog, TokenBucket};
+use crate::algorithm::{Algorithm, FixedWindow, SlidingCounter, SlidingLog, TokenBucket, Window};
+use crate::calendar::{Calendar, CalendarError, CalendarUnit, WeekStart};
 use crate::limit::{AlgorithmKind, Limit};
 use crate::rate::{self, MAX_AMOUNT, Rate, RateError};
 
@@ -507,7 +508,17 @@ impl Cx<'_> {
         default_name: &str,
         extra: &[&str],
     ) -> (Option<LimitRule>, Option<Fields<'n>>) {
-        const COMMON: &[&str] = &["algorithm", "name", "rate", "burst", "limit", "window"];
+        const COMMON: &[&str] = &[
+            "algorithm",
+            "name",
+            "rate",
+            "burst",
+            "limit",
+            "window",
+            "align",
+            "timezone",
+            "week_start",
+        ];
         let allowed: Vec<&str> = COMMON.iter().chain(extra).copied().collect();
         let Some(f) = self.fields(node, path, &allowed) else { return (None, None) };
         let name = match f.get("name") {
@@ -528,7 +539,12 @@ impl Cx<'_> {
             return (None, Some(f));
         };
         let (wanted, unwanted): (&[&str], &[&str]) = match kind {
-            AlgorithmKind::TokenBucket => (&["rate"], &["limit", "window"]),
+            AlgorithmKind::TokenBucket => {
+                (&["rate"], &["limit", "window", "align", "timezone", "week_start"])
+            }
+            AlgorithmKind::SlidingLog => {
+                (&["limit", "window"], &["rate", "burst", "align", "timezone", "week_start"])
+            }
             _ => (&["limit", "window"], &["rate", "burst"]),
         };
         for name in unwanted {
@@ -541,7 +557,8 @@ impl Cx<'_> {
                         kind.as_str(),
                         match kind {
                             AlgorithmKind::TokenBucket => "`rate` and optionally `burst`",
-                            _ => "`limit` and `window`",
+                            AlgorithmKind::SlidingLog => "`limit` and a fixed `window`",
+                            _ => "`limit` and `window` (`align: calendar` for calendar windows)",
                         }
                     ),
                 );
@@ -572,13 +589,15 @@ impl Cx<'_> {
                 };
                 let limit =
                     self.positive(f.get("limit").expect("required"), &join(path, "limit"), max);
-                let window = self
-                    .duration(f.get("window").expect("required"), &join(path, "window"))
-                    .and_then(NonZeroU64::new);
-                limit.zip(window).map(|(l, w)| match kind {
-                    AlgorithmKind::FixedWindow => Limit::FixedWindow(FixedWindow::new(l, w)),
-                    AlgorithmKind::SlidingLog => Limit::SlidingLog(SlidingLog::new(l, w)),
-                    _ => Limit::SlidingCounter(SlidingCounter::new(l, w)),
+                let window = self.window(&f, path, kind);
+                limit.zip(window).map(|(l, w)| match (kind, w) {
+                    (AlgorithmKind::FixedWindow, w) => {
+                        Limit::FixedWindow(FixedWindow::with_window(l, w))
+                    }
+                    (AlgorithmKind::SlidingLog, Window::Fixed(w)) => {
+                        Limit::SlidingLog(SlidingLog::new(l, w))
+                    }
+                    (_, w) => Limit::SlidingCounter(SlidingCounter::with_window(l, w)),
                 })
             }
         };
@@ -586,6 +605,105 @@ impl Cx<'_> {
             .zip(name)
             .map(|(limit, name)| LimitRule { limit: Arc::new(limit), name: name.into() });
         (rule, Some(f))
+    }
+
+    /// A window algorithm's `window`, with `align` (`epoch`, the default, or
+    /// `calendar`), `timezone` (an IANA name, UTC by default) and `week_start`.
+    fn window(&mut self, f: &Fields<'_>, path: &str, kind: AlgorithmKind) -> Option<Window> {
+        let node = f.get("window").expect("required");
+        let wpath = join(path, "window");
+        let calendar = match f.get("align") {
+            None => false,
+            Some(a) => match self.string(a, &join(path, "align"))? {
+                "epoch" => false,
+                "calendar" => true,
+                other => {
+                    self.err(
+                        a.pos,
+                        &join(path, "align"),
+                        format!("expected `epoch` or `calendar`, found `{other}`"),
+                    );
+                    return None;
+                }
+            },
+        };
+        if !calendar {
+            for name in ["timezone", "week_start"] {
+                if let Some((k, _)) = f.entries.iter().find(|(k, _)| k.text == name) {
+                    self.err(k.pos, &join(path, name), format!("`{name}` needs `align: calendar`"));
+                }
+            }
+            if let Value::Str(text) = &node.value
+                && let Some((_, unit)) = CalendarUnit::parse(text)
+                && !matches!(unit, CalendarUnit::Day)
+            {
+                let msg = match kind {
+                    AlgorithmKind::SlidingLog => format!(
+                        "`{text}` is a calendar window, which a sliding log cannot have; \
+                         use a fixed duration like `7d`"
+                    ),
+                    _ => format!(
+                        "`{text}` is a calendar window: add `align: calendar` (and a \
+                         `timezone`, UTC by default), or use a fixed duration like `7d`"
+                    ),
+                };
+                self.err(node.pos, &wpath, msg);
+                return None;
+            }
+            return self.duration(node, &wpath).and_then(NonZeroU64::new).map(Window::Fixed);
+        }
+        let Value::Str(text) = &node.value else {
+            self.err(node.pos, &wpath, "expected a calendar window like `1d`, `1w`, `1mo` or `1y`");
+            return None;
+        };
+        let Some((count, unit)) = CalendarUnit::parse(text) else {
+            self.err(
+                node.pos,
+                &wpath,
+                format!(
+                    "expected a calendar window like `1d`, `1w`, `1mo` or `1y`, found `{text}`"
+                ),
+            );
+            return None;
+        };
+        let zone = match f.get("timezone") {
+            Some(z) => self.string(z, &join(path, "timezone"))?,
+            None => "UTC",
+        };
+        let week_start = match f.get("week_start") {
+            None => WeekStart::Monday,
+            Some(w) => {
+                let wspath = join(path, "week_start");
+                let text = self.string(w, &wspath)?;
+                let Some(day) = WeekStart::ALL.into_iter().find(|d| d.as_str() == text) else {
+                    self.err(
+                        w.pos,
+                        &wspath,
+                        format!("expected a day like `monday`, found `{text}`"),
+                    );
+                    return None;
+                };
+                if unit != CalendarUnit::Week {
+                    self.err(w.pos, &wspath, "`week_start` applies to weekly windows (`1w`)");
+                }
+                day
+            }
+        };
+        match Calendar::try_new(unit, count, zone, week_start) {
+            Ok(c) => Some(Window::Calendar(c)),
+            Err(e) => {
+                let (pos, field) = match (&e, f.get("timezone")) {
+                    (CalendarError::UnknownTimezone, Some(z)) => (z.pos, join(path, "timezone")),
+                    _ => (node.pos, wpath),
+                };
+                let msg = match e {
+                    CalendarError::UnknownTimezone => format!("{e}, found `{zone}`"),
+                    e => format!("{e}, found `{text}`"),
+                };
+                self.err(pos, &field, msg);
+                None
+            }
+        }
     }
 
     fn failure_policy(&mut self, node: &Node, path: &str) -> Option<FailurePolicy> {

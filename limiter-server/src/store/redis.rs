@@ -21,6 +21,8 @@
 use std::fmt::Write as _;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
+use limiter_core::algorithm::Window;
+use limiter_core::calendar::Calendar;
 use limiter_core::clock::Nanos;
 use limiter_core::failure::Breaker;
 use limiter_core::key::LimitKeyRef;
@@ -73,19 +75,41 @@ impl std::fmt::Debug for RedisStore {
     }
 }
 
-/// One level's script parameters: kind and three numbers.
-fn params(limit: &Limit) -> Result<(&'static str, [u64; 3]), String> {
-    let window = |limit: u64, window: u64| {
-        if !window.is_multiple_of(MICRO) {
-            return Err(format!(
-                "window of {window} ns is not a whole number of microseconds (the Redis store counts time in microseconds)"
-            ));
+/// One level's script parameters: kind and three numbers, and for a calendar window
+/// its rule (whose window starts are passed with each call).
+#[derive(Debug, Clone, Copy)]
+struct Params {
+    kind: &'static str,
+    p: [u64; 3],
+    calendar: Option<Calendar>,
+}
+
+fn params(limit: &Limit) -> Result<Params, String> {
+    let window = |kind: &'static str, limit: u64, window: Window| match window {
+        Window::Calendar(c) => {
+            if limit > EXACT {
+                return Err(
+                    "limit too large for the Redis store's exact arithmetic (2^50)".to_owned()
+                );
+            }
+            let kind = if kind == "fw" { "cw" } else { "cc" };
+            Ok(Params { kind, p: [limit, 0, 0], calendar: Some(c) })
         }
-        if limit > EXACT || window / MICRO > EXACT {
-            return Err("limit or window too large for the Redis store's exact arithmetic (2^50)"
-                .to_owned());
+        Window::Fixed(w) => {
+            let window = w.get();
+            if !window.is_multiple_of(MICRO) {
+                return Err(format!(
+                    "window of {window} ns is not a whole number of microseconds (the Redis store counts time in microseconds)"
+                ));
+            }
+            if limit > EXACT || window / MICRO > EXACT {
+                return Err(
+                    "limit or window too large for the Redis store's exact arithmetic (2^50)"
+                        .to_owned(),
+                );
+            }
+            Ok(Params { kind, p: [limit, window / MICRO, 0], calendar: None })
         }
-        Ok([limit, window / MICRO, 0])
     };
     match limit {
         Limit::TokenBucket(b) => {
@@ -102,11 +126,11 @@ fn params(limit: &Limit) -> Result<(&'static str, [u64; 3]), String> {
                     b.rate().period()
                 ));
             }
-            Ok(("tb", [a, p, burst]))
+            Ok(Params { kind: "tb", p: [a, p, burst], calendar: None })
         }
-        Limit::FixedWindow(w) => Ok(("fw", window(w.limit().get(), w.window().get())?)),
-        Limit::SlidingLog(w) => Ok(("sl", window(w.limit().get(), w.window().get())?)),
-        Limit::SlidingCounter(w) => Ok(("sc", window(w.limit().get(), w.window().get())?)),
+        Limit::FixedWindow(w) => window("fw", w.limit().get(), w.window()),
+        Limit::SlidingLog(w) => window("sl", w.limit().get(), Window::Fixed(w.window())),
+        Limit::SlidingCounter(w) => window("sc", w.limit().get(), w.window()),
     }
 }
 
@@ -270,12 +294,9 @@ impl RedisStore {
         matches!(self.conn, Conn::Cluster(..))
     }
 
-    fn key_of(
-        &self,
-        level: &Level<'_>,
-        out: &mut Vec<String>,
-    ) -> Result<(&'static str, [u64; 3]), ServerError> {
-        let (kind, p) = params(&level.rule.limit).map_err(|e| ServerError::invalid("policy", e))?;
+    fn key_of(&self, level: &Level<'_>, out: &mut Vec<String>) -> Result<Params, ServerError> {
+        let params = params(&level.rule.limit).map_err(|e| ServerError::invalid("policy", e))?;
+        let Params { kind, p, calendar } = params;
         let (t, name) = tag(&level.key);
         let k = level.key;
         let mut key = String::with_capacity(64 + k.tenant.len() + k.route.len() + k.key.len());
@@ -289,12 +310,29 @@ impl RedisStore {
         for part in [k.tenant, k.route, k.key] {
             let _ = write!(key, ":{}.{part}", part.len());
         }
-        let _ = write!(key, ":{kind}.{}.{}.{}", p[0], p[1], p[2]);
+        match calendar {
+            // The rule names the windows; their starts move with time, so are not
+            // part of the key.
+            Some(c) => {
+                let _ = write!(
+                    key,
+                    ":{kind}.{}.{}{}.{}.{}",
+                    p[0],
+                    c.count(),
+                    c.unit().suffix(),
+                    c.zone_name(),
+                    c.week_start().as_str()
+                );
+            }
+            None => {
+                let _ = write!(key, ":{kind}.{}.{}.{}", p[0], p[1], p[2]);
+            }
+        }
         let log = (kind == "sl").then(|| format!("{key}:log"));
         // A sliding log's hash first, then its log.
         out.push(key);
         out.extend(log);
-        Ok((kind, p))
+        Ok(params)
     }
 
     /// The groups of a chain's levels that one script call may decide together: the
@@ -369,8 +407,18 @@ impl RedisStore {
         for a in args {
             inv.arg(a);
         }
-        for (kind, p) in levels {
-            inv.arg(kind).arg(p[0]).arg(p[1]).arg(p[2]);
+        for Params { kind, p, calendar } in levels {
+            match calendar {
+                Some(c) => {
+                    inv.arg(kind).arg(p[0]);
+                    for start in c.starts_around(now) {
+                        inv.arg(us(start));
+                    }
+                }
+                None => {
+                    inv.arg(kind).arg(p[0]).arg(p[1]).arg(p[2]);
+                }
+            }
         }
         let result = tokio::time::timeout(self.settings.command_timeout, self.invoke(&inv)).await;
         metrics::counter!(m::STORE_CALLS, "op" => op).increment(1);

@@ -260,3 +260,145 @@ fn every_algorithm_matches_the_reference_on_seeded_schedules() {
         }
     }
 }
+
+/// Calendar windows against the reference, whose windows are listed by this test from
+/// the timezone's calendar through jiff's zoned-date API (the first instant of each
+/// local day that starts a window), not through limiter-core's window arithmetic.
+mod calendar {
+    use super::*;
+    use jiff::civil::{Date, Weekday};
+    use jiff::tz::TimeZone;
+    use jiff::{Timestamp, ToSpan as _};
+    use limiter_core::algorithm::Window;
+    use limiter_core::calendar::{Calendar, CalendarUnit, WeekStart};
+    use limiter_reference::Starts;
+
+    const DAY: u64 = 86_400_000_000_000;
+
+    /// Europe/Berlin (north, switches at 02:00/03:00), Australia/Sydney (south),
+    /// Australia/Adelaide (south, a 30-minute offset), America/Sao_Paulo (south, its
+    /// daylight saving began at local midnight until 2019: days that have no midnight).
+    const ZONES: [&str; 4] =
+        ["Europe/Berlin", "Australia/Sydney", "Australia/Adelaide", "America/Sao_Paulo"];
+
+    fn date_of(t: u64, tz: &TimeZone) -> Date {
+        Timestamp::from_nanosecond(i128::from(t)).unwrap().to_zoned_datetime(tz.clone()).date()
+    }
+
+    /// Whether local date `d` begins a window of `count` `unit`s.
+    fn begins(d: Date, unit: CalendarUnit, count: u32, week_start: Weekday) -> bool {
+        let n = i64::from(count);
+        match unit {
+            CalendarUnit::Day => {
+                let days = i64::from(d.since(Date::constant(1970, 1, 1)).unwrap().get_days());
+                days.rem_euclid(n) == 0
+            }
+            CalendarUnit::Week => d.weekday() == week_start,
+            CalendarUnit::Month => {
+                d.day() == 1 && (i64::from(d.year()) * 12 + i64::from(d.month()) - 1) % n == 0
+            }
+            CalendarUnit::Year => d.day() == 1 && d.month() == 1,
+        }
+    }
+
+    /// The starts of every window from before `from` to after `to`, day by day.
+    fn table(
+        unit: CalendarUnit,
+        count: u32,
+        zone: &str,
+        week_start: Weekday,
+        from: u64,
+        to: u64,
+    ) -> Starts {
+        let tz = TimeZone::get(zone).unwrap();
+        let mut d = date_of(from, &tz);
+        let last = date_of(to, &tz);
+        let mut starts = Vec::new();
+        while d <= last {
+            if begins(d, unit, count, week_start) {
+                let first = d.to_zoned_datetime(tz.clone()).unwrap().start_of_day().unwrap();
+                starts.push(u64::try_from(first.timestamp().as_nanosecond()).unwrap());
+            }
+            d = d.tomorrow().unwrap();
+        }
+        Starts::leak(starts)
+    }
+
+    /// A start instant: any day from 2006 to 2030, or near a daylight-saving switch.
+    fn start(rng: &mut Rng, zone: &str) -> u64 {
+        let year = i16::try_from(rng.range(2006, 2030)).unwrap();
+        let day = Date::new(year, 1, 1).unwrap().checked_add(i64::try_from(rng.range(0, 364)).unwrap().days()).unwrap();
+        let tz = TimeZone::get(zone).unwrap();
+        let mut t = day.to_zoned_datetime(tz.clone()).unwrap().timestamp();
+        if rng.chance(50)
+            && let Some(switch) = tz.following(t).next()
+        {
+            t = switch.timestamp();
+        }
+        let t = u64::try_from(t.as_nanosecond()).unwrap();
+        // Up to five days before it, at any nanosecond.
+        t - rng.range(0, 5 * DAY)
+    }
+
+    fn unit(rng: &mut Rng) -> (CalendarUnit, u32) {
+        match rng.range(0, 6) {
+            0 | 1 => (CalendarUnit::Day, 1),
+            2 => (CalendarUnit::Day, 2),
+            3 => (CalendarUnit::Week, 1),
+            4 => (CalendarUnit::Month, 1),
+            5 => (CalendarUnit::Month, 3),
+            _ => (CalendarUnit::Year, 1),
+        }
+    }
+
+    fn nominal(unit: CalendarUnit, count: u32) -> u64 {
+        let days = match unit {
+            CalendarUnit::Day => 1,
+            CalendarUnit::Week => 7,
+            CalendarUnit::Month => 31,
+            CalendarUnit::Year => 366,
+        };
+        days * DAY * u64::from(count)
+    }
+
+    /// Random schedules over calendar windows in four timezones from 2006 to 2030,
+    /// every answer (admission, remaining, `retry_after` refused just before and
+    /// admitted at, `reset_after`, holds, refunds) equal to the reference's.
+    #[test]
+    fn calendar_windows_match_the_reference_on_seeded_schedules() {
+        for seed in seeds(22) {
+            eprintln!("calendar: seed {seed} (replay: REFERENCE_SEED={seed})");
+            let mut rng = Rng::new(seed);
+            for case in 0..240 {
+                let zone = ZONES[usize::try_from(rng.range(0, 3)).unwrap()];
+                let (unit, count) = unit(&mut rng);
+                let day = rng.range(0, 6);
+                let ws = WeekStart::ALL[usize::try_from(day).unwrap()];
+                let week_start = Weekday::from_monday_zero_offset(i8::try_from(day).unwrap()).unwrap();
+                let limit = rng.range(1, 39);
+                let probe = rng.range(1, 39);
+                // Waits scaled to a tenth of a window, so a schedule crosses a few
+                // boundaries and lingers around them.
+                let w = nominal(unit, count) / 10;
+                let ops = drawn(&mut rng, w, limit);
+                let from = start(&mut rng, zone);
+                let span: u64 = ops.iter().map(|o| if let Op::Wait(d) = o { *d } else { 0 }).sum();
+                let margin = 8 * nominal(unit, count);
+                let starts = table(unit, count, zone, week_start, from - margin, from + span + margin);
+                let calendar = Calendar::try_new(unit, count, zone, ws).unwrap();
+                let window = Window::Calendar(calendar);
+                let what = format!("{count}{} in {zone} from {ws:?}", unit.suffix());
+                let r = if case % 2 == 0 {
+                    let fw = FixedWindow::with_window(nz(limit), window);
+                    compare(&fw, Spec::CalendarWindow { limit, starts }, from, &ops, probe)
+                } else {
+                    let sc = SlidingCounter::with_window(nz(limit), window);
+                    compare(&sc, Spec::CalendarCounter { limit, starts }, from, &ops, probe)
+                };
+                if let Err(e) = r {
+                    panic!("seed {seed}, case {case} ({what}, start {from}): {e}");
+                }
+            }
+        }
+    }
+}

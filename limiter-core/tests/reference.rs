@@ -327,7 +327,10 @@ mod calendar {
     /// A start instant: any day from 2006 to 2030, or near a daylight-saving switch.
     fn start(rng: &mut Rng, zone: &str) -> u64 {
         let year = i16::try_from(rng.range(2006, 2030)).unwrap();
-        let day = Date::new(year, 1, 1).unwrap().checked_add(i64::try_from(rng.range(0, 364)).unwrap().days()).unwrap();
+        let day = Date::new(year, 1, 1)
+            .unwrap()
+            .checked_add(i64::try_from(rng.range(0, 364)).unwrap().days())
+            .unwrap();
         let tz = TimeZone::get(zone).unwrap();
         let mut t = day.to_zoned_datetime(tz.clone()).unwrap().timestamp();
         if rng.chance(50)
@@ -374,7 +377,8 @@ mod calendar {
                 let (unit, count) = unit(&mut rng);
                 let day = rng.range(0, 6);
                 let ws = WeekStart::ALL[usize::try_from(day).unwrap()];
-                let week_start = Weekday::from_monday_zero_offset(i8::try_from(day).unwrap()).unwrap();
+                let week_start =
+                    Weekday::from_monday_zero_offset(i8::try_from(day).unwrap()).unwrap();
                 let limit = rng.range(1, 39);
                 let probe = rng.range(1, 39);
                 // Waits scaled to a tenth of a window, so a schedule crosses a few
@@ -384,7 +388,8 @@ mod calendar {
                 let from = start(&mut rng, zone);
                 let span: u64 = ops.iter().map(|o| if let Op::Wait(d) = o { *d } else { 0 }).sum();
                 let margin = 8 * nominal(unit, count);
-                let starts = table(unit, count, zone, week_start, from - margin, from + span + margin);
+                let starts =
+                    table(unit, count, zone, week_start, from - margin, from + span + margin);
                 let calendar = Calendar::try_new(unit, count, zone, ws).unwrap();
                 let window = Window::Calendar(calendar);
                 let what = format!("{count}{} in {zone} from {ws:?}", unit.suffix());

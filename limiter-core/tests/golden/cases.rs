@@ -76,6 +76,8 @@ const fn rejected(scope: Scope, retry_after: u64) -> Expect {
 
 const MS: u64 = 1_000;
 const S: u64 = 1_000_000;
+const H: u64 = 3_600 * S;
+const D: u64 = 24 * H;
 
 /// Every case.
 pub(crate) const CASES: &[Case] = &[
@@ -300,6 +302,66 @@ tenants:
                 expect: rejected(Scope::TenantRoute, 1_100 * MS),
             },
             Step { at: 0, op: Op::Remaining, expect: Expect::Remaining(0) },
+        ],
+    },
+    Case {
+        name: "fixed window: a calendar day in Europe/Berlin is 23 hours in spring, 25 in autumn",
+        policy: "version: 1\ntenants:\n  t:\n    limit: { algorithm: fixed_window, limit: 3, window: 1d, align: calendar, timezone: Europe/Berlin }\n",
+        steps: &[
+            // 2027-03-28T12:00Z: the day began at 23:00Z the evening before, ends 22:00Z.
+            decide(6_235_200 * S, 3, allowed(0, 10 * H)),
+            decide(6_235_200 * S, 1, rejected(Scope::Tenant, 10 * H)),
+            // 2027-03-28T22:00Z: local midnight, a new day of 24 hours.
+            decide(6_271_200 * S, 1, allowed(2, 24 * H)),
+            // 2027-10-31T00:00Z: the autumn day began 22:00Z the evening before and ends at
+            // 23:00Z: 25 hours, 23 of them still to come.
+            decide(24_940_800 * S, 1, allowed(2, 23 * H)),
+            Step {
+                at: 24_940_800 * S,
+                op: Op::Grant { max: 9, hold: 48 * H },
+                expect: Expect::Granted { units: 2, hold: 23 * H },
+            },
+        ],
+    },
+    Case {
+        name: "fixed window: a calendar month ends at local midnight in America/New_York",
+        policy: "version: 1\ntenants:\n  t:\n    limit: { algorithm: fixed_window, limit: 2, window: 1mo, align: calendar, timezone: America/New_York }\n",
+        steps: &[
+            // 2027-02-01T04:59:59Z is the last second of January in New York.
+            decide(1_457_999 * S, 2, allowed(0, S)),
+            decide(1_457_999 * S, 1, rejected(Scope::Tenant, S)),
+            // February: 28 days.
+            decide(1_458_000 * S, 1, allowed(1, 28 * D)),
+        ],
+    },
+    Case {
+        name: "sliding counter: a calendar month in UTC at the end of February in a leap year",
+        policy: "version: 1\ntenants:\n  t:\n    limit: { algorithm: sliding_counter, limit: 29, window: 1mo, align: calendar }\n",
+        steps: &[
+            // 2028-02-01T00:00Z: full until the end of March (29 + 31 days).
+            decide(32_976_000 * S, 29, allowed(0, 60 * D)),
+            // 2028-02-29T23:59:59Z: in March the 29 units of February weigh
+            // min(29, 31 - e) / 29 of themselves: one unit fits once e = 3 days.
+            decide(35_481_599 * S, 1, rejected(Scope::Tenant, 3 * D + S)),
+            decide(35_740_800 * S, 1, allowed(0, 58 * D)),
+            decide(35_740_800 * S, 1, rejected(Scope::Tenant, D)),
+        ],
+    },
+    Case {
+        name: "sliding counter: a 25-hour calendar day weighs after it by its real length",
+        policy: "version: 1\ntenants:\n  t:\n    limit: { algorithm: sliding_counter, limit: 10, window: 1d, align: calendar, timezone: Europe/Berlin }\n",
+        steps: &[
+            // 2027-10-31T10:00Z, in the 25-hour day (22:00Z to 23:00Z the next evening).
+            decide(24_976_800 * S, 10, allowed(0, 37 * H)),
+            // 2027-11-01T05:00Z, 6 h into a 24-hour day: 10 x 18 / 25 = 7.2 still count.
+            decide(25_045_200 * S, 2, allowed(0, 42 * H)),
+            // One more fits when 10 x (24 h - e) <= 7 x 25 h: at e = 6.5 h.
+            decide(25_045_200 * S, 1, rejected(Scope::Tenant, 30 * 60 * S)),
+            Step {
+                at: 25_045_200 * S + 30 * 60 * S,
+                op: Op::Remaining,
+                expect: Expect::Remaining(1),
+            },
         ],
     },
 ];

@@ -99,6 +99,51 @@ fn algorithms(c: &mut Criterion) {
     single(c, "sliding_log", &SlidingLog::new(nz(100_000), nz(1_000_000)));
 }
 
+/// One algorithm's decisions, one microsecond apart from 2027-01-15T08:00Z.
+fn decisions<A: Algorithm>(
+    g: &mut criterion::BenchmarkGroup<'_, criterion::measurement::WallTime>,
+    name: &str,
+    alg: &A,
+) {
+    let clock = ManualClock::new(1_800_000_000_000_000_000);
+    let mut state = A::State::default();
+    g.bench_function(name, |b| {
+        b.iter(|| {
+            clock.advance(STEP);
+            black_box(answer(alg.try_acquire(&mut state, clock.now(), 1)))
+        });
+    });
+}
+
+/// Calendar windows against the same algorithm over a fixed window of the same
+/// length, alternated in one group: the calendar's boundaries are cached per window,
+/// so a decision pays a sequence-locked read of them instead of a division.
+fn calendar(c: &mut Criterion) {
+    use limiter_core::algorithm::Window;
+    use limiter_core::calendar::{Calendar, CalendarUnit, WeekStart};
+    let day = nz(86_400_000_000_000);
+    let zone = "Europe/Berlin";
+    let cal_day =
+        Window::Calendar(Calendar::try_new(CalendarUnit::Day, 1, zone, WeekStart::Monday).unwrap());
+    let cal_month = Window::Calendar(
+        Calendar::try_new(CalendarUnit::Month, 1, zone, WeekStart::Monday).unwrap(),
+    );
+    let limit = nz(1_000_000_000_000);
+    let mut g = c.benchmark_group("calendar");
+    for round in 1..=2 {
+        decisions(&mut g, &format!("fixed_window_1d_epoch_{round}"), &FixedWindow::new(limit, day));
+        let cal = FixedWindow::with_window(limit, cal_day);
+        decisions(&mut g, &format!("fixed_window_1d_calendar_{round}"), &cal);
+        let month = FixedWindow::with_window(limit, cal_month);
+        decisions(&mut g, &format!("fixed_window_1mo_calendar_{round}"), &month);
+        let fixed = SlidingCounter::new(limit, day);
+        decisions(&mut g, &format!("sliding_counter_1d_epoch_{round}"), &fixed);
+        let cal = SlidingCounter::with_window(limit, cal_day);
+        decisions(&mut g, &format!("sliding_counter_1d_calendar_{round}"), &cal);
+    }
+    g.finish();
+}
+
 fn key_names() -> Vec<String> {
     (0..KEYS).map(|i| format!("key-{i:05}")).collect()
 }
@@ -219,6 +264,6 @@ criterion_group! {
     config = Criterion::default()
         .warm_up_time(Duration::from_millis(500))
         .measurement_time(Duration::from_secs(2));
-    targets = algorithms, keyed
+    targets = algorithms, calendar, keyed
 }
 criterion_main!(benches);

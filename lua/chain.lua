@@ -30,6 +30,7 @@
 --                 direct mode when the tightest capacity is less than two costs per
 --                 active holder; nothing when the cost does not fit
 --   remaining     nothing
+--   inspect       nothing: reads every level, saves nothing
 -- ARGV[2]: now in microseconds, or -1 for Redis TIME (the default; tests pass fixed
 --   times to replay golden cases).
 -- ARGV[12..]: per level its kind and parameters (see the algorithm's file): four
@@ -46,6 +47,7 @@
 --              {2, 0, now, hold, 0} in direct mode (too little for the active
 --              holders); {0, 0, now, hold, 0} when the cost did not fit
 --   remaining  {units left at the tightest level}
+--   inspect    {remaining, reset after} per level in order, then now
 --   others     {0}
 -- Time: redis.call('TIME') (Redis 7 replicates a script's effects, not the script, so
 --   reading the clock is allowed), one reading for the whole call.
@@ -222,5 +224,14 @@ elseif op == 'remaining' then
   local left = min_remaining()
   save_all()
   return { left }
+elseif op == 'inspect' then
+  -- Reads only: nothing is saved, so no key is created or refreshed.
+  local out = {}
+  for _, lv in ipairs(levels) do
+    out[#out + 1] = lv.algo.remaining(lv, now)
+    out[#out + 1] = lv.algo.reset_after(lv, now)
+  end
+  out[#out + 1] = now
+  return out
 end
 return redis.error_reply('unknown op ' .. tostring(op))

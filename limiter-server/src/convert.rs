@@ -87,9 +87,9 @@ pub(crate) fn algorithm(k: AlgorithmKind) -> pb::Algorithm {
     }
 }
 
-/// The wire limit.
-pub(crate) fn limit(l: &Limit, name: Option<&str>) -> pb::Limit {
-    let (quota, window) = l.quota();
+/// The wire limit; a calendar window's length is that of the window holding `now`.
+pub(crate) fn limit(l: &Limit, name: Option<&str>, now: Nanos) -> pb::Limit {
+    let (quota, window) = l.quota_at(now);
     pb::Limit {
         name: name.unwrap_or_default().to_owned(),
         algorithm: algorithm(l.kind()).into(),
@@ -98,9 +98,42 @@ pub(crate) fn limit(l: &Limit, name: Option<&str>) -> pb::Limit {
     }
 }
 
+/// An instant as RFC 3339 in UTC, to the millisecond.
+pub(crate) fn rfc3339(nanos: Nanos) -> String {
+    let ms = i128::from(nanos / 1_000_000) * 1_000_000;
+    jiff::Timestamp::from_nanosecond(ms).map(|t| t.to_string()).unwrap_or_default()
+}
+
+/// The wire usage view.
+pub(crate) fn usage(u: &crate::owner::Usage) -> pb::UsageResponse {
+    pb::UsageResponse {
+        levels: u
+            .levels
+            .iter()
+            .map(|l| pb::LevelUsage {
+                scope: scope(l.scope).into(),
+                limit: Some(limit(&l.limit, Some(&l.name), u.now)),
+                remaining: l.remaining,
+                reset_after: Some(duration(l.reset_after)),
+                reset_at: rfc3339(u.now.saturating_add(l.reset_after)),
+                shared: l.shared,
+            })
+            .collect(),
+        open_tickets: u.open_tickets,
+        open_ticket_units: u.open_ticket_units,
+        policy_version: u.policy_version,
+        unknown_tenant: u.unknown_tenant,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn instants_are_rfc3339_to_the_millisecond() {
+        assert_eq!(rfc3339(1_800_000_000_123_456_789), "2027-01-15T08:00:00.123Z");
+    }
 
     #[test]
     fn durations_split_into_seconds_and_nanos() {

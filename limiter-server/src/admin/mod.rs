@@ -35,6 +35,7 @@ pub(crate) fn router(owner: Arc<Owner>, history: Arc<History>, members: Vec<Stri
         .route("/healthz", get(|| async { "ok\n" }))
         .route("/readyz", get(ready))
         .route("/policy", get(policy))
+        .route("/v1/usage", get(usage))
         .with_state(owner)
         .merge(
             Router::new()
@@ -62,6 +63,86 @@ async fn ready(State(owner): State<Arc<Owner>>) -> impl IntoResponse {
         (StatusCode::OK, "ready\n")
     } else {
         (StatusCode::SERVICE_UNAVAILABLE, "not ready\n")
+    }
+}
+
+/// `GET /v1/usage?tenant=&route=&key=`: the levels of a tenant, route and key as
+/// this node holds them (in a cluster, ask the tenant's owner, or use the native
+/// `Usage` call, which forwards to it).
+#[derive(Debug, serde::Deserialize)]
+struct UsageQuery {
+    tenant: Option<String>,
+    route: Option<String>,
+    key: Option<String>,
+}
+
+async fn usage(
+    State(owner): State<Arc<Owner>>,
+    query: Result<axum::extract::Query<UsageQuery>, axum::extract::rejection::QueryRejection>,
+) -> impl IntoResponse {
+    let bad = |field: &str, why: &str| {
+        let body = json!({ "error": format!("{field}: {why}"), "field": field });
+        (StatusCode::BAD_REQUEST, [(header::CONTENT_TYPE, "application/json")], body.to_string())
+    };
+    let Ok(axum::extract::Query(q)) = query else {
+        return bad("query", "expected tenant=, route= and optionally key=");
+    };
+    let (Some(tenant), Some(route)) = (q.tenant.as_deref(), q.route.as_deref()) else {
+        let field = if q.tenant.is_none() { "tenant" } else { "route" };
+        return bad(field, "required");
+    };
+    let req = limiter_core::policy::Request {
+        tenant,
+        route,
+        key: q.key.as_deref().filter(|k| !k.is_empty()),
+        cost: None,
+        dry_run: true,
+    };
+    match owner.usage(&req).await {
+        Ok(u) => {
+            let levels: Vec<_> = u
+                .levels
+                .iter()
+                .map(|l| {
+                    let (quota, window) = l.limit.quota_at(u.now);
+                    json!({
+                        "scope": l.scope.as_str(),
+                        "name": &*l.name,
+                        "algorithm": l.limit.kind().as_str(),
+                        "limit": quota,
+                        "window_seconds": window as f64 / NANOS_PER_SEC as f64,
+                        "description": l.limit.to_string(),
+                        "remaining": l.remaining,
+                        "reset_after_seconds": l.reset_after as f64 / NANOS_PER_SEC as f64,
+                        "reset_at": crate::convert::rfc3339(u.now.saturating_add(l.reset_after)),
+                        "shared": l.shared,
+                    })
+                })
+                .collect();
+            let body = json!({
+                "tenant": limiter_core::text::shorten(tenant),
+                "route": limiter_core::text::shorten(route),
+                "key": q.key.as_deref().map(limiter_core::text::shorten),
+                "policy_version": u.policy_version,
+                "unknown_tenant": u.unknown_tenant,
+                "at": crate::convert::rfc3339(u.now),
+                "levels": levels,
+                "open_tickets": u.open_tickets,
+                "open_ticket_units": u.open_ticket_units,
+            });
+            (StatusCode::OK, [(header::CONTENT_TYPE, "application/json")], body.to_string())
+        }
+        Err(e) => match e.field() {
+            "none" => {
+                let body = json!({ "error": e.to_string() });
+                (
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    [(header::CONTENT_TYPE, "application/json")],
+                    body.to_string(),
+                )
+            }
+            field => bad(field, &e.to_string()),
+        },
     }
 }
 

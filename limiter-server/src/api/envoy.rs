@@ -208,7 +208,7 @@ fn status(o: &Outcome) -> (DescriptorStatus, Option<(String, Limit, u64, Nanos)>
         }
     };
     let current_limit = limit.map(|l| {
-        let (quota, window) = l.quota();
+        let (quota, window) = l.quota_at(o.charged_at.at);
         let (requests_per_unit, unit) = envoy_limit(quota, window);
         RateLimit { name: name.clone(), requests_per_unit, unit: unit.into() }
     });
@@ -241,7 +241,7 @@ fn answer(outcomes: &[Outcome], detail: Option<&str>) -> rls::RateLimitResponse 
         let over = st.code == i32::from(Code::OverLimit);
         statuses.push(st);
         if let Some((name, l, remaining, wait)) = limit {
-            let (q, w) = l.quota();
+            let (q, w) = l.quota_at(o.charged_at.at);
             let policy = headers::policy_item(&name, q, w);
             let item = headers::limit_item(&name, remaining, wait);
             match items.iter_mut().find(|(p, _, _)| *p == policy) {
@@ -320,14 +320,14 @@ fn refused(owner: &Owner, core: &[Request<'_>], i: usize, e: &ServerError) -> Op
     };
     let level = chain.levels().find(|l| l.scope == scope)?;
     let limit = *level.rule.limit;
+    let now = owner.clock().now();
     let decision = Decision::Rejected {
         reason: scope.reason(),
         scope,
         limit: Some(limit),
         // It will not fit later either; a client is told to wait a whole window.
-        retry_after: limit.quota().1,
+        retry_after: limit.quota_at(now).1,
     };
-    let now = owner.clock().now();
     Some(Refused {
         index: i,
         outcome: Outcome::refused(

@@ -112,6 +112,40 @@ impl RateLimiter for NativeService {
         }))
     }
 
+    async fn usage(
+        &self,
+        request: Request<pb::UsageRequest>,
+    ) -> Result<Response<pb::UsageResponse>, Status> {
+        let hop = self.hop(&request)?;
+        let r = request.into_inner();
+        if let Some(cluster) = self.owner.cluster() {
+            match routing::target(cluster, &r.tenant, hop).await {
+                Some(Err(owner)) => return Err(moved(&owner.address)),
+                Some(Ok(owner)) => {
+                    let call = |peer: Peer, hop| {
+                        let r = r.clone();
+                        async move { peer.usage(r, hop).await }
+                    };
+                    if let Some(answer) =
+                        routing::forward_once(cluster, &owner, &r.tenant, call).await?
+                    {
+                        return Ok(Response::new(answer));
+                    }
+                }
+                None => {}
+            }
+        }
+        let core = limiter_core::policy::Request {
+            tenant: &r.tenant,
+            route: &r.route,
+            key: (!r.key.is_empty()).then_some(r.key.as_str()),
+            cost: None,
+            dry_run: true,
+        };
+        let u = self.owner.usage(&core).await.map_err(refuse)?;
+        Ok(Response::new(crate::convert::usage(&u)))
+    }
+
     async fn lease(
         &self,
         request: Request<pb::LeaseRequest>,

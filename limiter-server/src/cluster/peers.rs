@@ -139,6 +139,15 @@ impl Peer {
         Ok(self.native.clone().report_cost(with_hop(req, hop, self.timeout)).await?.into_inner())
     }
 
+    /// Forwards a usage query.
+    ///
+    /// # Errors
+    ///
+    /// As [`Self::allow`].
+    pub async fn usage(&self, req: pb::UsageRequest, hop: u8) -> Result<pb::UsageResponse, Status> {
+        Ok(self.native.clone().usage(with_hop(req, hop, self.timeout)).await?.into_inner())
+    }
+
     /// Forwards an Envoy request.
     ///
     /// # Errors

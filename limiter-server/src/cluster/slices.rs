@@ -246,6 +246,11 @@ impl Slices {
         self.held.lock().get_mut(key).is_some_and(|s| s.available(now) >= units.max(1))
     }
 
+    /// Units `key`'s slice could spend now, and until when (0 and `now`: none held).
+    pub fn available(&self, key: &SliceKey, now: Nanos) -> (u64, Nanos) {
+        self.held.lock().get_mut(key).map_or((0, now), |s| (s.available(now), s.until.max(now)))
+    }
+
     /// Installs a grant for `key`.
     pub fn install(&self, key: &SliceKey, lease_id: u64, units: u64, until: Nanos) {
         let mut held = self.held.lock();

@@ -263,4 +263,87 @@ impl Owner {
         let remaining = self.store.remaining(&chain, now).await?;
         Ok(Settlement { charged, refunded, remaining })
     }
+
+    /// Every level that applies to `req`'s tenant, route and key, outermost first,
+    /// with what is left and when it resets, and the open cost tickets: nothing
+    /// charged, no counter created. A root level owned by another node is reported as
+    /// this node's slice of it (`shared`).
+    ///
+    /// # Errors
+    ///
+    /// Malformed names, or the store unreachable.
+    pub async fn usage(&self, req: &Request<'_>) -> Result<Usage, ServerError> {
+        let active = self.policies.current();
+        let probe = Request { cost: Some(1), dry_run: true, ..*req };
+        let chain = active.policy.resolve(&probe, &self.limits.names)?;
+        let now = self.clock.now();
+        let (local, remote) = self.split(&chain);
+        let mut views = self.store.inspect(&local, now).await?.into_iter();
+        let slices = self.shared().map(|c| c.slices());
+        let mut levels = Vec::with_capacity(chain.len());
+        for level in chain.levels() {
+            let shared = remote.holds(&level);
+            let (remaining, reset_after) = match (shared, slices) {
+                (true, Some(slices)) => {
+                    let (units, until) =
+                        slices.available(&(level.scope, level.key.route.into()), now);
+                    (units, until - now)
+                }
+                _ => views.next().ok_or_else(|| {
+                    ServerError::Unavailable("the store answered fewer levels".into())
+                })?,
+            };
+            levels.push(LevelUsage {
+                scope: level.scope,
+                name: level.rule.name.clone(),
+                limit: *level.rule.limit,
+                remaining,
+                reset_after,
+                shared,
+            });
+        }
+        let (open_tickets, open_ticket_units) = self.tickets.open_for(req, now);
+        Ok(Usage {
+            levels,
+            open_tickets,
+            open_ticket_units,
+            policy_version: active.version,
+            unknown_tenant: chain.unknown_tenant,
+            now,
+        })
+    }
+}
+
+/// One level of a [`Usage`].
+#[derive(Debug, Clone)]
+pub struct LevelUsage {
+    /// The level.
+    pub scope: limiter_core::Scope,
+    /// Its limit's name.
+    pub name: std::sync::Arc<str>,
+    /// Its limit.
+    pub limit: limiter_core::Limit,
+    /// Units that would be admitted now.
+    pub remaining: u64,
+    /// Until the level is full again.
+    pub reset_after: Nanos,
+    /// A root level owned elsewhere: the values are this node's slice of it.
+    pub shared: bool,
+}
+
+/// What [`Owner::usage`] reports.
+#[derive(Debug, Clone)]
+pub struct Usage {
+    /// Every level, outermost first.
+    pub levels: Vec<LevelUsage>,
+    /// Open cost tickets of the tenant, route and key.
+    pub open_tickets: u64,
+    /// Their estimated units.
+    pub open_ticket_units: u64,
+    /// The policy version that resolved the chain.
+    pub policy_version: u64,
+    /// The tenant is unlisted and such tenants are rejected.
+    pub unknown_tenant: bool,
+    /// When the levels were read (nanoseconds since the Unix epoch).
+    pub now: Nanos,
 }

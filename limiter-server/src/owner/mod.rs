@@ -4,6 +4,7 @@
 //! hitters ([`heavy`]).
 
 mod decide;
+pub use decide::{LevelUsage, Usage};
 pub mod heavy;
 pub mod lease;
 pub mod reload;
@@ -92,13 +93,13 @@ impl Outcome {
                 r.reset_after = Some(convert::duration(reset_after));
                 if let Some(b) = binding {
                     r.scope = convert::scope(b.scope).into();
-                    r.limit = Some(convert::limit(&b.limit, name));
+                    r.limit = Some(convert::limit(&b.limit, name, o.charged_at.at));
                 }
             }
             Decision::Rejected { reason: why, scope: s, limit: l, retry_after } => {
                 r.reason = convert::reason(why).into();
                 r.scope = convert::scope(s).into();
-                r.limit = l.as_ref().map(|l| convert::limit(l, name));
+                r.limit = l.as_ref().map(|l| convert::limit(l, name, o.charged_at.at));
                 r.retry_after = Some(convert::duration(retry_after));
                 r.reset_after = Some(convert::duration(retry_after));
             }

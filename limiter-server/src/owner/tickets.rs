@@ -25,8 +25,17 @@ pub(super) use super::TICKET_TTL;
 #[derive(Debug)]
 pub(super) struct Tickets {
     pub(super) key: std::hash::RandomState,
-    pub(super) open: Mutex<HashMap<u64, Nanos>>,
+    pub(super) open: Mutex<HashMap<u64, Open>>,
     pub(super) max: usize,
+}
+
+/// What is remembered of an open ticket.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Open {
+    admitted_at: Nanos,
+    /// A keyed hash of its tenant, route and key (what `Usage` counts by).
+    names: u64,
+    estimate: u64,
 }
 
 pub(super) struct Ticket {
@@ -42,20 +51,25 @@ impl Tickets {
         self.key.hash_one((names, at.at, at.hold, estimate))
     }
 
+    fn names(&self, req: &Request<'_>) -> u64 {
+        self.key.hash_one((req.tenant, req.route, req.key.unwrap_or("")))
+    }
+
     pub(super) fn issue(&self, req: &Request<'_>, at: Charged, estimate: u64) -> String {
         let mac = self.mac(req, at, estimate);
         let admitted_at = at.at;
+        let names = self.names(req);
         let mut open = self.open.lock();
         if open.len() >= self.max {
-            open.retain(|_, at| admitted_at.saturating_sub(*at) < TICKET_TTL);
+            open.retain(|_, o| admitted_at.saturating_sub(o.admitted_at) < TICKET_TTL);
         }
         if open.len() >= self.max {
             // Still full: forget the oldest; its estimate stays charged (never a loss).
-            if let Some(oldest) = open.iter().min_by_key(|(_, at)| **at).map(|(k, _)| *k) {
+            if let Some(oldest) = open.iter().min_by_key(|(_, o)| o.admitted_at).map(|(k, _)| *k) {
                 open.remove(&oldest);
             }
         }
-        open.insert(mac, admitted_at);
+        open.insert(mac, Open { admitted_at, names, estimate });
         format!("v1.{admitted_at:x}.{:x}.{estimate:x}.{mac:x}", at.hold)
     }
 
@@ -72,6 +86,18 @@ impl Tickets {
             return Err(bad());
         }
         Ok(Ticket { admitted_at, hold, estimate, mac })
+    }
+
+    /// The open tickets of `req`'s tenant, route and key at `now`: how many, and their
+    /// estimated units (a scan of the bounded table: for the usage view, not the
+    /// decision path).
+    pub(super) fn open_for(&self, req: &Request<'_>, now: Nanos) -> (u64, u64) {
+        let names = self.names(req);
+        self.open
+            .lock()
+            .values()
+            .filter(|o| o.names == names && now.saturating_sub(o.admitted_at) < TICKET_TTL)
+            .fold((0, 0), |(n, u), o| (n + 1, u + o.estimate))
     }
 
     /// Closes an open ticket; false when it was not open.

@@ -376,6 +376,27 @@ impl Store {
         }
     }
 
+    /// Every level's units left and time to a full allowance, charging nothing and
+    /// creating no counter (the usage view).
+    ///
+    /// # Errors
+    ///
+    /// When the store cannot be reached.
+    pub async fn inspect(
+        &self,
+        chain: &Chain<'_>,
+        now: Nanos,
+    ) -> Result<Vec<(u64, Nanos)>, ServerError> {
+        match self {
+            Self::Memory(l) => Ok(l
+                .inspect(chain, now)
+                .into_iter()
+                .map(|v| (v.remaining, v.reset_after))
+                .collect()),
+            Self::Redis(r) => r.store.inspect(chain, now).await,
+        }
+    }
+
     /// Gives back the units of the batches `which` names. Nothing to do for memory.
     pub async fn return_batches(&self, policy: &Policy, now: Nanos, which: Returning) {
         if let Self::Redis(r) = self {

@@ -386,4 +386,25 @@ impl RedisStore {
         }
         Ok(least)
     }
+
+    /// Every level's units left and time to a full allowance, reading only (the
+    /// script saves nothing, so no key is created or refreshed).
+    ///
+    /// # Errors
+    ///
+    /// When Redis cannot be reached.
+    pub async fn inspect(
+        &self,
+        chain: &Chain<'_>,
+        now: Nanos,
+    ) -> Result<Vec<(u64, Nanos)>, ServerError> {
+        let mut out = Vec::with_capacity(chain.len());
+        for group in self.groups(chain) {
+            let r = self.call("inspect", chain, group, now, [0; 9]).await?;
+            for pair in r.chunks_exact(2).take(group.1) {
+                out.push((u64::try_from(pair[0]).unwrap_or(0), ns(pair[1])));
+            }
+        }
+        Ok(out)
+    }
 }

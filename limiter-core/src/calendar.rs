@@ -291,7 +291,7 @@ impl Calendar {
             CalendarUnit::Month => 30,
             CalendarUnit::Year => 365,
         };
-        days * DAY * self.count() as Nanos
+        days * DAY * Nanos::from(self.count())
     }
 
     /// The starts of six consecutive windows, `now`'s the third: what the Redis

@@ -314,3 +314,64 @@ fn the_shipped_example_loads_and_uses_every_algorithm_and_level() {
         assert!(scopes.contains(&s), "{s} unused");
     }
 }
+
+#[test]
+fn calendar_window_mistakes_name_their_field() {
+    let fw = "algorithm: fixed_window, limit: 10";
+    one(
+        &format!("{HEAD}    limit: {{ {fw}, window: 1mo }}\n"),
+        4,
+        "tenants.acme.limit.window",
+        "add `align: calendar`",
+    );
+    one(
+        &format!(
+            "{HEAD}    limit: {{ {fw}, window: 1d, align: calendar, timezone: Mars/Olympus }}\n"
+        ),
+        4,
+        "tenants.acme.limit.timezone",
+        "unknown timezone",
+    );
+    one(
+        &format!("{HEAD}    limit: {{ {fw}, window: 1h, align: calendar }}\n"),
+        4,
+        "tenants.acme.limit.window",
+        "expected a calendar window",
+    );
+    one(
+        &format!("{HEAD}    limit: {{ {fw}, window: 13mo, align: calendar }}\n"),
+        4,
+        "tenants.acme.limit.window",
+        "1 to 12 mo units",
+    );
+    one(
+        &format!("{HEAD}    limit: {{ {fw}, window: 1d, align: calendar, week_start: sunday }}\n"),
+        4,
+        "tenants.acme.limit.week_start",
+        "applies to weekly windows",
+    );
+    one(
+        &format!("{HEAD}    limit: {{ {fw}, window: 1d, timezone: UTC }}\n"),
+        4,
+        "tenants.acme.limit.timezone",
+        "needs `align: calendar`",
+    );
+    one(
+        &format!(
+            "{HEAD}    limit: {{ algorithm: sliding_log, limit: 5, window: 1d, align: calendar }}\n"
+        ),
+        4,
+        "tenants.acme.limit.align",
+        "does not apply to sliding_log",
+    );
+    // Accepted: a weekly window from Sunday, a quarter, a day in a 30-minute zone;
+    // `7d` without `align` stays a fixed duration.
+    for window in [
+        "1w, align: calendar, week_start: sunday",
+        "3mo, align: calendar, timezone: Australia/Adelaide",
+        "1y, align: calendar",
+        "7d",
+    ] {
+        from_yaml(&format!("{HEAD}    limit: {{ {fw}, window: {window} }}\n"), "p.yaml").unwrap();
+    }
+}

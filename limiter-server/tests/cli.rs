@@ -8,11 +8,13 @@ fn bin() -> Command {
 }
 
 #[test]
-fn check_config_accepts_the_example() {
-    let example = concat!(env!("CARGO_MANIFEST_DIR"), "/../examples/policies.yaml");
-    let out = bin().args(["check-config", example]).output().unwrap();
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-    assert!(String::from_utf8_lossy(&out.stdout).contains(": ok ("));
+fn check_config_accepts_the_examples() {
+    for name in ["policies.yaml", "llm-gateway.yaml"] {
+        let example = format!("{}/../examples/{name}", env!("CARGO_MANIFEST_DIR"));
+        let out = bin().args(["check-config", &example]).output().unwrap();
+        assert!(out.status.success(), "{name}: {}", String::from_utf8_lossy(&out.stderr));
+        assert!(String::from_utf8_lossy(&out.stdout).contains(": ok ("));
+    }
 }
 
 #[test]

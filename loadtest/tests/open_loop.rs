@@ -32,6 +32,12 @@ impl RateLimiter for Slow {
     ) -> Result<Response<pb::ReportCostResponse>, Status> {
         Err(Status::unimplemented("slow test server"))
     }
+    async fn usage(
+        &self,
+        _: Request<pb::UsageRequest>,
+    ) -> Result<Response<pb::UsageResponse>, Status> {
+        Err(Status::unimplemented("slow test server"))
+    }
     async fn ping(
         &self,
         _: Request<pb::PingRequest>,

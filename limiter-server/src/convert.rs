@@ -104,28 +104,6 @@ pub(crate) fn rfc3339(nanos: Nanos) -> String {
     jiff::Timestamp::from_nanosecond(ms).map(|t| t.to_string()).unwrap_or_default()
 }
 
-/// The wire usage view.
-pub(crate) fn usage(u: &crate::owner::Usage) -> pb::UsageResponse {
-    pb::UsageResponse {
-        levels: u
-            .levels
-            .iter()
-            .map(|l| pb::LevelUsage {
-                scope: scope(l.scope).into(),
-                limit: Some(limit(&l.limit, Some(&l.name), u.now)),
-                remaining: l.remaining,
-                reset_after: Some(duration(l.reset_after)),
-                reset_at: rfc3339(u.now.saturating_add(l.reset_after)),
-                shared: l.shared,
-            })
-            .collect(),
-        open_tickets: u.open_tickets,
-        open_ticket_units: u.open_ticket_units,
-        policy_version: u.policy_version,
-        unknown_tenant: u.unknown_tenant,
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;

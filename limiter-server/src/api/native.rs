@@ -8,6 +8,7 @@ use tonic::{Request, Response, Status};
 
 use crate::api::routing;
 use crate::cluster::peers::{Peer, checked_hop, moved};
+use crate::convert;
 use crate::error::{ServerError, element_status};
 use crate::metrics::Api;
 use crate::owner::Owner;
@@ -143,7 +144,7 @@ impl RateLimiter for NativeService {
             dry_run: true,
         };
         let u = self.owner.usage(&core).await.map_err(refuse)?;
-        Ok(Response::new(crate::convert::usage(&u)))
+        Ok(Response::new(usage_response(&u)))
     }
 
     async fn lease(
@@ -229,5 +230,27 @@ impl RateLimiter for NativeService {
         let resync =
             cluster.replication().receive(cluster, &r).map_err(Status::permission_denied)?;
         Ok(Response::new(pb::ReplicateResponse { resync }))
+    }
+}
+
+/// The wire usage view.
+fn usage_response(u: &crate::owner::Usage) -> pb::UsageResponse {
+    pb::UsageResponse {
+        levels: u
+            .levels
+            .iter()
+            .map(|l| pb::LevelUsage {
+                scope: convert::scope(l.scope).into(),
+                limit: Some(convert::limit(&l.limit, Some(&l.name), u.now)),
+                remaining: l.remaining,
+                reset_after: Some(convert::duration(l.reset_after)),
+                reset_at: convert::rfc3339(u.now.saturating_add(l.reset_after)),
+                shared: l.shared,
+            })
+            .collect(),
+        open_tickets: u.open_tickets,
+        open_ticket_units: u.open_ticket_units,
+        policy_version: u.policy_version,
+        unknown_tenant: u.unknown_tenant,
     }
 }

@@ -81,22 +81,12 @@ impl RateLimiter for NativeService {
     ) -> Result<Response<pb::ReportCostResponse>, Status> {
         let hop = self.hop(&request)?;
         let r = request.into_inner();
-        if let Some(cluster) = self.owner.cluster() {
-            match routing::target(cluster, &r.tenant, hop).await {
-                Some(Err(owner)) => return Err(moved(&owner.address)),
-                Some(Ok(owner)) => {
-                    let call = |peer: Peer, hop| {
-                        let r = r.clone();
-                        async move { peer.report_cost(r, hop).await }
-                    };
-                    if let Some(answer) =
-                        routing::forward_once(cluster, &owner, &r.tenant, call).await?
-                    {
-                        return Ok(Response::new(answer));
-                    }
-                }
-                None => {}
-            }
+        let call = |peer: Peer, hop| {
+            let r = r.clone();
+            async move { peer.report_cost(r, hop).await }
+        };
+        if let Some(answer) = at_owner(&self.owner, &r.tenant, hop, call).await? {
+            return Ok(Response::new(answer));
         }
         let core = limiter_core::policy::Request {
             tenant: &r.tenant,
@@ -119,22 +109,12 @@ impl RateLimiter for NativeService {
     ) -> Result<Response<pb::UsageResponse>, Status> {
         let hop = self.hop(&request)?;
         let r = request.into_inner();
-        if let Some(cluster) = self.owner.cluster() {
-            match routing::target(cluster, &r.tenant, hop).await {
-                Some(Err(owner)) => return Err(moved(&owner.address)),
-                Some(Ok(owner)) => {
-                    let call = |peer: Peer, hop| {
-                        let r = r.clone();
-                        async move { peer.usage(r, hop).await }
-                    };
-                    if let Some(answer) =
-                        routing::forward_once(cluster, &owner, &r.tenant, call).await?
-                    {
-                        return Ok(Response::new(answer));
-                    }
-                }
-                None => {}
-            }
+        let call = |peer: Peer, hop| {
+            let r = r.clone();
+            async move { peer.usage(r, hop).await }
+        };
+        if let Some(answer) = at_owner(&self.owner, &r.tenant, hop, call).await? {
+            return Ok(Response::new(answer));
         }
         let core = limiter_core::policy::Request {
             tenant: &r.tenant,
@@ -252,5 +232,25 @@ fn usage_response(u: &crate::owner::Usage) -> pb::UsageResponse {
         open_ticket_units: u.open_ticket_units,
         policy_version: u.policy_version,
         unknown_tenant: u.unknown_tenant,
+    }
+}
+
+/// A call about `tenant` answered by its owner when another node owns it (forwarded
+/// once, following one redirect); `None` when this node answers it.
+async fn at_owner<T, F, Fut>(
+    owner: &Owner,
+    tenant: &str,
+    hop: u8,
+    call: F,
+) -> Result<Option<T>, Status>
+where
+    F: Fn(Peer, u8) -> Fut,
+    Fut: std::future::Future<Output = Result<T, Status>>,
+{
+    let Some(cluster) = owner.cluster() else { return Ok(None) };
+    match routing::target(cluster, tenant, hop).await {
+        Some(Err(member)) => Err(moved(&member.address)),
+        Some(Ok(member)) => routing::forward_once(cluster, &member, tenant, call).await,
+        None => Ok(None),
     }
 }

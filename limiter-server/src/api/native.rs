@@ -88,13 +88,7 @@ impl RateLimiter for NativeService {
         if let Some(answer) = at_owner(&self.owner, &r.tenant, hop, call).await? {
             return Ok(Response::new(answer));
         }
-        let core = limiter_core::policy::Request {
-            tenant: &r.tenant,
-            route: &r.route,
-            key: (!r.key.is_empty()).then_some(r.key.as_str()),
-            cost: None,
-            dry_run: false,
-        };
+        let core = named(&r.tenant, &r.route, &r.key, false);
         let s = self.owner.report_cost(&core, &r.ticket, r.actual_cost).await.map_err(refuse)?;
         Ok(Response::new(pb::ReportCostResponse {
             charged: s.charged,
@@ -116,13 +110,7 @@ impl RateLimiter for NativeService {
         if let Some(answer) = at_owner(&self.owner, &r.tenant, hop, call).await? {
             return Ok(Response::new(answer));
         }
-        let core = limiter_core::policy::Request {
-            tenant: &r.tenant,
-            route: &r.route,
-            key: (!r.key.is_empty()).then_some(r.key.as_str()),
-            cost: None,
-            dry_run: true,
-        };
+        let core = named(&r.tenant, &r.route, &r.key, true);
         let u = self.owner.usage(&core).await.map_err(refuse)?;
         Ok(Response::new(usage_response(&u)))
     }
@@ -253,4 +241,15 @@ where
         Some(Ok(member)) => routing::forward_once(cluster, &member, tenant, call).await,
         None => Ok(None),
     }
+}
+
+/// The request a report or a usage query names (an empty key: none).
+fn named<'a>(
+    tenant: &'a str,
+    route: &'a str,
+    key: &'a str,
+    dry_run: bool,
+) -> limiter_core::policy::Request<'a> {
+    let key = (!key.is_empty()).then_some(key);
+    limiter_core::policy::Request { tenant, route, key, cost: None, dry_run }
 }

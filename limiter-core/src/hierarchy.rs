@@ -145,7 +145,7 @@ impl Limiter {
             };
         }
         let fresh = LimitState::Fresh;
-        // The tightest admitting level (each scope is in a chain once): (level,
+        // The tightest admitting level (a level's budgets each count apart): (level,
         // remaining after, its reset after as
         // read now: right for a dry run, replaced after a charge).
         let mut tightest: Option<(Level<'_>, u64, Nanos)> = None;
@@ -186,7 +186,7 @@ impl Limiter {
                 let limit = &level.rule.limit;
                 let slot = locked.slot_mut(i, limit, now);
                 limit.charge(&mut slot.state, now, cost);
-                if level.scope == binding.scope {
+                if level.key == binding.key {
                     reset_after = limit.reset_after(&slot.state, now);
                 }
             }

@@ -21,22 +21,31 @@ pub struct LimitKeyRef<'a> {
     pub route: &'a str,
     /// The key ("" except for the key scope).
     pub key: &'a str,
+    /// Which of the level's budgets (0: the first, and the only one of most levels).
+    pub budget: u8,
 }
 
 impl<'a> LimitKeyRef<'a> {
     /// The key of the global ceiling.
     pub const GLOBAL: LimitKeyRef<'static> =
-        LimitKeyRef { scope: Scope::Global, tenant: "", route: "", key: "" };
+        LimitKeyRef { scope: Scope::Global, tenant: "", route: "", key: "", budget: 0 };
 
     /// A key of `scope`, keeping only the names that scope is about.
     pub fn new(scope: Scope, tenant: &'a str, route: &'a str, key: &'a str) -> Self {
+        let budget = 0;
         match scope {
-            Scope::Global => Self { scope, tenant: "", route: "", key: "" },
-            Scope::Route => Self { scope, tenant: "", route, key: "" },
-            Scope::Tenant => Self { scope, tenant, route: "", key: "" },
-            Scope::TenantRoute => Self { scope, tenant, route, key: "" },
-            Scope::Key => Self { scope, tenant, route, key },
+            Scope::Global => Self { scope, tenant: "", route: "", key: "", budget },
+            Scope::Route => Self { scope, tenant: "", route, key: "", budget },
+            Scope::Tenant => Self { scope, tenant, route: "", key: "", budget },
+            Scope::TenantRoute => Self { scope, tenant, route, key: "", budget },
+            Scope::Key => Self { scope, tenant, route, key, budget },
         }
+    }
+
+    /// The same names, for budget `budget` of the level.
+    #[must_use]
+    pub fn with_budget(self, budget: u8) -> Self {
+        Self { budget, ..self }
     }
 
     /// The 64-bit hash the state table files this key under.
@@ -69,13 +78,14 @@ impl<'a> LimitKeyRef<'a> {
             v.extend_from_slice(self.key.as_bytes());
             Text::Heap(v.into_boxed_slice())
         };
-        LimitKey { scope: self.scope, tenant_len, route_len, key_len, text }
+        LimitKey { scope: self.scope, budget: self.budget, tenant_len, route_len, key_len, text }
     }
 
     /// True when `owned` is this key (without building a borrowed view of it).
     #[inline]
     pub fn matches(&self, owned: &LimitKey) -> bool {
         if self.scope != owned.scope
+            || self.budget != owned.budget
             || self.tenant.len() != usize::from(owned.tenant_len)
             || self.route.len() != usize::from(owned.route_len)
             || self.key.len() != usize::from(owned.key_len)
@@ -93,16 +103,17 @@ impl<'a> LimitKeyRef<'a> {
 impl Hash for LimitKeyRef<'_> {
     fn hash<H: Hasher>(&self, state: &mut H) {
         (self.scope as u8).hash(state);
+        self.budget.hash(state);
         self.tenant.hash(state);
         self.route.hash(state);
         self.key.hash(state);
     }
 }
 
-/// Escapes `|` and `\` so that the joined form stays unambiguous.
+/// Escapes `|`, `#` and `\` so that the joined form stays unambiguous.
 fn write_part(f: &mut fmt::Formatter<'_>, part: &str) -> fmt::Result {
     for c in part.chars() {
-        if c == '|' || c == '\\' {
+        if c == '|' || c == '#' || c == '\\' {
             f.write_str("\\")?;
         }
         write!(f, "{c}")?;
@@ -124,6 +135,10 @@ impl fmt::Display for LimitKeyRef<'_> {
         for p in parts {
             f.write_str("|")?;
             write_part(f, p)?;
+        }
+        if self.budget > 0 {
+            // Budgets count from 1 in text; a `#` in a name is escaped.
+            write!(f, "#{}", u16::from(self.budget) + 1)?;
         }
         Ok(())
     }
@@ -147,6 +162,7 @@ enum Text {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct LimitKey {
     scope: Scope,
+    budget: u8,
     tenant_len: u16,
     route_len: u16,
     key_len: u16,
@@ -182,6 +198,7 @@ impl LimitKey {
             tenant: part(&b[..t]),
             route: part(&b[t..r]),
             key: part(&b[r..]),
+            budget: self.budget,
         }
     }
 

@@ -32,7 +32,7 @@ use crate::key::{LimitKey, LimitKeyRef};
 use crate::limit::{Limit, LimitState};
 
 /// The most levels one decision touches (global, route, tenant, tenant x route, key).
-pub const MAX_LEVELS: usize = 5;
+pub const MAX_LEVELS: usize = 3 + 2 * crate::policy::Budgets::MAX;
 
 /// One stored counter: 80 bytes, plus the key's text.
 #[derive(Debug, Clone)]

@@ -290,3 +290,64 @@ tenants:
     assert!(l.table().stats().evicted_live > 10_000);
     assert_eq!(admitted, 3, "the hot tenant's counter was evicted and reset");
 }
+
+/// Several budgets on one level: each is its own counter, all are charged or none,
+/// and a refusal names the budget that refused.
+#[test]
+fn budgets_on_one_level_are_each_charged_and_a_refusal_names_its_budget() {
+    let p = policy(
+        "version: 1
+tenants:
+  t:
+    limit:
+      - { name: per_minute, algorithm: fixed_window, limit: 10, window: 1m }
+      - { name: per_day, algorithm: fixed_window, limit: 25, window: 1d, align: calendar }
+    per_key:
+      - { algorithm: token_bucket, rate: 100/s, burst: 100 }
+      - { algorithm: sliding_log, limit: 7, window: 10s }
+",
+    );
+    let l = Limiter::new(1_000);
+    let t0 = 1_800_000_000 * NANOS_PER_SEC; // 2027-01-15T08:00Z
+    let names = NameBounds::default();
+    let chain = p.resolve(&Request::new("t", "/r").with_key("k").with_cost(1), &names).unwrap();
+    let budgets: Vec<(Scope, u8, &str)> =
+        chain.levels().map(|l| (l.scope, l.key.budget, &*l.rule.name)).collect();
+    assert_eq!(
+        budgets,
+        [
+            (Scope::Tenant, 0, "per_minute"),
+            (Scope::Tenant, 1, "per_day"),
+            (Scope::Key, 0, "key_1"),
+            (Scope::Key, 1, "key_2"),
+        ]
+    );
+    // The key's log (7 in 10 s) refuses first; nothing is charged on the others then.
+    let ask =
+        |key, cost, at| decide(&l, &p, Request::new("t", "/r").with_key(key).with_cost(cost), at);
+    assert!(ask("k", 7, t0).is_allowed());
+    let refused = ask("k", 1, t0);
+    assert!(matches!(refused, Decision::Rejected { scope: Scope::Key, .. }), "{refused:?}");
+    let chain = p.resolve(&Request::new("t", "/r").with_key("k"), &names).unwrap();
+    let Decision::Rejected { scope, limit, .. } = refused else { unreachable!() };
+    assert_eq!(&*chain.level_named(scope, limit.as_ref()).unwrap().rule.name, "key_2");
+    // The minute's 10 (3 left) then the day's 25 across minutes.
+    assert!(ask("k2", 3, t0).is_allowed());
+    let minute = ask("k3", 1, t0);
+    let Decision::Rejected { scope, limit, .. } = minute else { panic!("{minute:?}") };
+    assert_eq!(
+        (scope, &*chain.level_named(scope, limit.as_ref()).unwrap().rule.name),
+        (Scope::Tenant, "per_minute")
+    );
+    let later = t0 + 60 * NANOS_PER_SEC;
+    assert!(ask("k4", 7, later).is_allowed());
+    assert!(ask("k5", 3, later).is_allowed());
+    let day = ask("k6", 7, later + 60 * NANOS_PER_SEC);
+    let Decision::Rejected { scope, limit, .. } = day else { panic!("{day:?}") };
+    // 10 + 10 of the day's 25: 5 left, so 7 is refused by the day alone.
+    assert_eq!(
+        (scope, &*chain.level_named(scope, limit.as_ref()).unwrap().rule.name),
+        (Scope::Tenant, "per_day")
+    );
+    assert!(ask("k6", 5, later + 60 * NANOS_PER_SEC).is_allowed());
+}

@@ -375,3 +375,38 @@ fn calendar_window_mistakes_name_their_field() {
         from_yaml(&format!("{HEAD}    limit: {{ {fw}, window: {window} }}\n"), "p.yaml").unwrap();
     }
 }
+
+#[test]
+fn budget_lists_are_checked() {
+    let fw = "{ algorithm: fixed_window, limit: 10, window: 1m }";
+    one(&format!("{HEAD}    limit: []\n"), 4, "tenants.acme.limit", "1 to 4 limits, found 0");
+    one(
+        &format!("{HEAD}    limit: [{fw}, {fw}, {fw}, {fw}, {fw}]\n"),
+        4,
+        "tenants.acme.limit",
+        "1 to 4 limits, found 5",
+    );
+    one(
+        &format!(
+            "{HEAD}    per_key:\n      - {{ name: a, algorithm: token_bucket, rate: 1/s }}\n      - {{ name: a, algorithm: token_bucket, rate: 9/s }}\n"
+        ),
+        6,
+        "tenants.acme.per_key[1].name",
+        "duplicate budget name `a`",
+    );
+    one(
+        &format!(
+            "{HEAD}    limit:\n      - {fw}\n      - {{ algorithm: fixed_window, limit: 0, window: 1m }}\n"
+        ),
+        6,
+        "tenants.acme.limit[1].limit",
+        "greater than zero",
+    );
+    let p = from_yaml(
+        &format!("{HEAD}    limit: [{fw}, {{ algorithm: token_bucket, rate: 5/s }}]\n"),
+        "p.yaml",
+    )
+    .unwrap();
+    let names: Vec<&str> = p.tenants["acme"].limit.iter().map(|r| &*r.name).collect();
+    assert_eq!(names, ["tenant_1", "tenant_2"]);
+}

@@ -50,6 +50,7 @@ async fn finding_1_a_node_alone_accepts_no_handoff_and_no_forwarded_call() {
         key: "k".into(),
         state: br#""Fresh""#.to_vec(),
         version: 0,
+        budget: 0,
     };
     let forged = pb::HandoffRequest {
         from: "someone".into(),
@@ -105,8 +106,8 @@ fn finding_1_handed_off_states_no_algorithm_can_reach_are_refused() {
     )
     .unwrap();
     let t = &p.tenants["t"];
-    let bucket = t.limit.as_ref().unwrap().limit.clone();
-    let window = t.per_key.as_ref().unwrap().limit.clone();
+    let bucket = t.limit.first().unwrap().limit.clone();
+    let window = t.per_key.first().unwrap().limit.clone();
     let now = 1_800_000_000_000_000_000u64;
     let state = |json: &str| serde_json::from_str::<limiter_core::LimitState>(json).unwrap();
     // A bucket charged past its limit by a report: a debt of at most ten allowances.
@@ -493,6 +494,7 @@ async fn finding_1_a_handoff_from_a_node_not_in_the_cluster_is_refused() {
         key: "k".into(),
         state: state.into_bytes(),
         version: 0,
+        budget: 0,
     };
     let window = now / 3_600_000_000_000;
     let good = counter(format!(r#"{{"FixedWindow":{{"window":{window},"count":2}}}}"#));

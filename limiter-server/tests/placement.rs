@@ -226,6 +226,7 @@ fn used(count: u64, now: u64) -> Vec<u8> {
 fn counter(tenant: &str, state: Vec<u8>, version: u64) -> pb::CounterState {
     pb::CounterState {
         version,
+        budget: 0,
         scope: pb::Scope::Tenant.into(),
         tenant: tenant.into(),
         route: String::new(),

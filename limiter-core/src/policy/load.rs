@@ -8,8 +8,8 @@ use std::sync::Arc;
 
 use super::tree::{self, Key, Node, Pos, Value};
 use super::{
-    FailurePolicy, LeaseSettings, LimitRule, Map, Policy, RouteSpec, TenantRouteSpec, TenantSpec,
-    UnknownTenants,
+    Budgets, FailurePolicy, LeaseSettings, LimitRule, Map, Policy, RouteSpec, TenantRouteSpec,
+    TenantSpec, UnknownTenants,
 };
 use crate::algorithm::{Algorithm, FixedWindow, SlidingCounter, SlidingLog, TokenBucket, Window};
 use crate::calendar::{Calendar, CalendarError, CalendarUnit, WeekStart};
@@ -475,10 +475,14 @@ impl Cx<'_> {
 
     fn tenant(&mut self, node: &Node, path: &str) -> Option<TenantSpec> {
         let f = self.fields(node, path, &["limit", "routes", "per_key"])?;
-        let limit =
-            f.get("limit").and_then(|n| self.limit_rule(n, &join(path, "limit"), "tenant", &[]).0);
-        let per_key =
-            f.get("per_key").and_then(|n| self.limit_rule(n, &join(path, "per_key"), "key", &[]).0);
+        let limit = f
+            .get("limit")
+            .map(|n| self.budgets(n, &join(path, "limit"), "tenant"))
+            .unwrap_or_default();
+        let per_key = f
+            .get("per_key")
+            .map(|n| self.budgets(n, &join(path, "per_key"), "key"))
+            .unwrap_or_default();
         let mut routes = Map::default();
         if let Some(n) = f.get("routes") {
             let rpath = join(path, "routes");
@@ -497,6 +501,46 @@ impl Cx<'_> {
             }
         }
         Some(TenantSpec { limit, routes, per_key })
+    }
+
+    /// A level's limit, or a list of budgets (each a limit, named apart: by default
+    /// `NAME_1`, `NAME_2`, ...).
+    fn budgets(&mut self, node: &Node, path: &str, default_name: &str) -> Budgets {
+        let Value::Seq(items) = &node.value else {
+            return self
+                .limit_rule(node, path, default_name, &[])
+                .0
+                .map(Budgets::one)
+                .unwrap_or_default();
+        };
+        if items.is_empty() || items.len() > Budgets::MAX {
+            self.err(
+                node.pos,
+                path,
+                format!(
+                    "a list of budgets holds 1 to {} limits, found {}",
+                    Budgets::MAX,
+                    items.len()
+                ),
+            );
+            return Budgets::default();
+        }
+        let mut rules: Vec<LimitRule> = Vec::with_capacity(items.len());
+        for (i, item) in items.iter().enumerate() {
+            let ipath = format!("{path}[{i}]");
+            let name = format!("{default_name}_{}", i + 1);
+            if let Some(rule) = self.limit_rule(item, &ipath, &name, &[]).0 {
+                if rules.iter().any(|r| r.name == rule.name) {
+                    self.err(
+                        item.pos,
+                        &join(&ipath, "name"),
+                        format!("duplicate budget name `{}`", rule.name),
+                    );
+                }
+                rules.push(rule);
+            }
+        }
+        Budgets::new(rules)
     }
 
     /// A limit: `{ algorithm, rate, burst }` or `{ algorithm, limit, window }`, plus an
@@ -822,15 +866,14 @@ impl Cx<'_> {
                     format!("tenants.{tname}.routes.{rname}")
                 };
                 // The global and route levels were checked above, once per route.
-                let levels = [
-                    ("tenant limit", t.limit.as_ref()),
-                    ("tenant route limit", tr.map(|tr| &tr.rule)),
-                    ("per-key limit", t.per_key.as_ref()),
-                ];
+                let levels = t
+                    .limit
+                    .iter()
+                    .map(|r| ("tenant limit", r))
+                    .chain(tr.map(|tr| ("tenant route limit", &tr.rule)))
+                    .chain(t.per_key.iter().map(|r| ("per-key limit", r)));
                 for (scope, rule) in levels {
-                    if let Some(rule) = rule
-                        && cost > rule.limit.capacity()
-                    {
+                    if cost > rule.limit.capacity() {
                         let scope = format!("{scope} of tenant `{tname}`");
                         problems.push((path.clone(), cost, scope, rule.limit.capacity()));
                     }

@@ -34,6 +34,48 @@ pub struct LimitRule {
     pub name: Arc<str>,
 }
 
+/// The limits of a tenant's or a key's level: usually one; several budgets (tokens
+/// per minute and tokens per calendar month, say) are each checked and charged, all
+/// or nothing with the rest of the chain, and a refusal names the budget's limit.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct Budgets(Vec<LimitRule>);
+
+impl Budgets {
+    /// The most budgets one level may carry.
+    pub const MAX: usize = 4;
+
+    /// The budgets `rules` (at most [`Self::MAX`]; the policy loader checks).
+    pub fn new(rules: Vec<LimitRule>) -> Self {
+        debug_assert!(rules.len() <= Self::MAX);
+        Self(rules)
+    }
+
+    /// One budget.
+    pub fn one(rule: LimitRule) -> Self {
+        Self(vec![rule])
+    }
+
+    /// The budgets, in the policy's order.
+    pub fn iter(&self) -> std::slice::Iter<'_, LimitRule> {
+        self.0.iter()
+    }
+
+    /// Budget `i`.
+    pub fn get(&self, i: u8) -> Option<&LimitRule> {
+        self.0.get(usize::from(i))
+    }
+
+    /// The first budget.
+    pub fn first(&self) -> Option<&LimitRule> {
+        self.0.first()
+    }
+
+    /// True when the level has no limit.
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+}
+
 /// What a gateway does for a route when the limiter cannot be reached.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum FailurePolicy {
@@ -91,12 +133,12 @@ pub struct TenantRouteSpec {
 /// A tenant's limits.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct TenantSpec {
-    /// Across the tenant's routes.
-    pub limit: Option<LimitRule>,
+    /// Across the tenant's routes (one or several budgets).
+    pub limit: Budgets,
     /// Per route.
     pub routes: Map<TenantRouteSpec>,
-    /// Per key, on each route.
-    pub per_key: Option<LimitRule>,
+    /// Per key, on each route (one or several budgets).
+    pub per_key: Budgets,
 }
 
 /// What happens to tenants the policy does not list.
@@ -208,7 +250,7 @@ pub struct Chain<'a> {
     tenant: &'a str,
     route_name: &'a str,
     key: &'a str,
-    rules: [Option<(Scope, &'a LimitRule)>; MAX_LEVELS],
+    rules: [Option<(Scope, u8, &'a LimitRule)>; MAX_LEVELS],
     len: u8,
     /// Units to charge (zero only for a dry run).
     pub cost: u64,
@@ -240,10 +282,10 @@ impl<'a> std::ops::Deref for ChainKeys<'a> {
 impl<'a> Chain<'a> {
     /// The levels, outermost first.
     pub fn levels(&self) -> impl Iterator<Item = Level<'a>> + Clone + '_ {
-        self.rules[..usize::from(self.len)].iter().flatten().map(|&(scope, rule)| Level {
+        self.rules[..usize::from(self.len)].iter().flatten().map(|&(scope, budget, rule)| Level {
             scope,
             rule,
-            key: self.key_of(scope),
+            key: self.key_of(scope).with_budget(budget),
         })
     }
 
@@ -264,10 +306,18 @@ impl<'a> Chain<'a> {
         let mut out = Self { rules: [None; MAX_LEVELS], len: 0, ..*self };
         for level in self.levels() {
             if keep(&level) {
-                out.push(level.scope, Some(level.rule));
+                out.push_budget(level.scope, level.key.budget, level.rule);
             }
         }
         out
+    }
+
+    /// The level a decision names: of `scope`, and among a level's budgets the one
+    /// whose limit is `limit` (the first of the scope when none is given or matches).
+    pub fn level_named(&self, scope: Scope, limit: Option<&Limit>) -> Option<Level<'a>> {
+        let mut of_scope = self.levels().filter(|l| l.scope == scope);
+        let first = of_scope.clone().next();
+        limit.and_then(|limit| of_scope.find(|l| *l.rule.limit == *limit)).or(first)
     }
 
     /// The request's tenant.
@@ -296,9 +346,19 @@ impl<'a> Chain<'a> {
 
     fn push(&mut self, scope: Scope, rule: Option<&'a LimitRule>) {
         if let Some(rule) = rule {
-            self.rules[usize::from(self.len)] = Some((scope, rule));
-            self.len += 1;
+            self.push_budget(scope, 0, rule);
         }
+    }
+
+    fn push_all(&mut self, scope: Scope, budgets: &'a Budgets) {
+        for (i, rule) in budgets.iter().enumerate() {
+            self.push_budget(scope, u8::try_from(i).unwrap_or(u8::MAX), rule);
+        }
+    }
+
+    fn push_budget(&mut self, scope: Scope, budget: u8, rule: &'a LimitRule) {
+        self.rules[usize::from(self.len)] = Some((scope, budget, rule));
+        self.len += 1;
     }
 }
 
@@ -343,11 +403,12 @@ impl Policy {
     /// tenant when the policy admits those) limit, route limit or per-key limit.
     pub fn rule_of(&self, key: &LimitKeyRef<'_>) -> Option<&LimitRule> {
         match key.scope {
+            Scope::Tenant => self.tenant(key.tenant)?.limit.get(key.budget),
+            Scope::Key => self.tenant(key.tenant)?.per_key.get(key.budget),
+            _ if key.budget > 0 => None,
             Scope::Global => self.global.as_ref(),
             Scope::Route => self.routes.get(key.route)?.limit.as_ref(),
-            Scope::Tenant => self.tenant(key.tenant)?.limit.as_ref(),
             Scope::TenantRoute => Some(&self.tenant(key.tenant)?.routes.get(key.route)?.rule),
-            Scope::Key => self.tenant(key.tenant)?.per_key.as_ref(),
         }
     }
 
@@ -443,10 +504,10 @@ impl Policy {
         chain.push(Scope::Global, self.global.as_ref());
         chain.push(Scope::Route, route.limit.as_ref());
         if let Some(tenant) = tenant {
-            chain.push(Scope::Tenant, tenant.limit.as_ref());
+            chain.push_all(Scope::Tenant, &tenant.limit);
             chain.push(Scope::TenantRoute, tenant_route.map(|tr| &tr.rule));
             if req.key.is_some() {
-                chain.push(Scope::Key, tenant.per_key.as_ref());
+                chain.push_all(Scope::Key, &tenant.per_key);
             }
         }
         if let Some(l) = chain.levels().find(|l| cost > l.rule.limit.capacity()) {

@@ -364,6 +364,18 @@ tenants:
             },
         ],
     },
+    Case {
+        name: "budgets: two limits on one tenant, each its own counter, the tightest reported",
+        policy: "version: 1\ntenants:\n  t:\n    limit:\n      - { algorithm: fixed_window, limit: 5, window: 1s }\n      - { algorithm: fixed_window, limit: 8, window: 10s }\n",
+        steps: &[
+            decide(0, 4, allowed(1, S)),
+            // A new second: the 10-second budget binds, 9 s from its end.
+            decide(S, 4, allowed(0, 9 * S)),
+            decide(2 * S, 1, rejected(Scope::Tenant, 8 * S)),
+            Step { at: 2 * S, op: Op::Remaining, expect: Expect::Remaining(0) },
+            decide(10 * S, 5, allowed(0, S)),
+        ],
+    },
 ];
 
 /// An answer, from any implementation, durations in nanoseconds.

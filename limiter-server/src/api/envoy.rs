@@ -16,6 +16,7 @@ use std::borrow::Cow;
 use std::fmt::Write as _;
 use std::sync::Arc;
 
+use limiter_core::algorithm::Algorithm as _;
 use limiter_core::clock::{NANOS_PER_SEC, Nanos};
 use limiter_core::policy::{NameBounds, Request};
 use limiter_core::{Decision, Limit, Scope, headers};
@@ -309,16 +310,19 @@ fn refused(owner: &Owner, core: &[Request<'_>], i: usize, e: &ServerError) -> Op
     let active = owner.policies().current();
     let probe = Request { cost: Some(1), dry_run: true, ..*req };
     let chain = active.policy.resolve(&probe, &owner.limits().names).ok()?;
-    let (scope, detail) = match e {
-        ServerError::Request(RequestError::CostAboveLimit { scope, .. }) => {
-            (*scope, limiter_core::text::shorten(&e.to_string()).into_owned())
+    let (scope, capacity, detail) = match e {
+        ServerError::Request(RequestError::CostAboveLimit { scope, capacity, .. }) => {
+            (*scope, Some(*capacity), limiter_core::text::shorten(&e.to_string()).into_owned())
         }
         ServerError::Exhausted(why) => {
-            (Scope::Key, limiter_core::text::shorten_message(why).into_owned())
+            (Scope::Key, None, limiter_core::text::shorten_message(why).into_owned())
         }
         _ => return None,
     };
-    let level = chain.levels().find(|l| l.scope == scope)?;
+    // Among a level's budgets, the one whose capacity the cost exceeded.
+    let level = chain
+        .levels()
+        .find(|l| l.scope == scope && capacity.is_none_or(|c| l.rule.limit.capacity() == c))?;
     let limit = *level.rule.limit;
     let now = owner.clock().now();
     let decision = Decision::Rejected {

@@ -252,6 +252,7 @@ impl Cluster {
                 key: k.key.to_owned(),
                 state,
                 version: 0,
+                budget: u32::from(k.budget),
             });
         }
         let sends = to.iter().map(|member| {
@@ -391,7 +392,8 @@ pub(super) fn store_counter(
     let Ok(state) = serde_json::from_slice::<LimitState>(&c.state) else {
         return Stored::Implausible;
     };
-    let key = LimitKeyRef::new(scope, &c.tenant, &c.route, &c.key);
+    let Ok(budget) = u8::try_from(c.budget) else { return Stored::NoSuchLevel };
+    let key = LimitKeyRef::new(scope, &c.tenant, &c.route, &c.key).with_budget(budget);
     // Names a request could not carry have no counter here (and would not fit one).
     let bounds = limiter_core::policy::NameBounds::default();
     let fits = |name: &str, max: usize, needed: bool| {

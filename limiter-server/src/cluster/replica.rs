@@ -43,11 +43,11 @@ use crate::metrics as m;
 /// Counters (or leases) per replication message.
 const PER_MESSAGE: usize = 2_000;
 
-/// A counter's identity on the wire: scope, tenant, route, key.
-type CounterId = (i32, String, String, String);
+/// A counter's identity on the wire: scope, tenant, route, key, budget.
+type CounterId = (i32, String, String, String, u32);
 
 fn counter_id(c: &pb::CounterState) -> CounterId {
-    (c.scope, c.tenant.clone(), c.route.clone(), c.key.clone())
+    (c.scope, c.tenant.clone(), c.route.clone(), c.key.clone(), c.budget)
 }
 
 /// The ring name a replicated counter belongs to.
@@ -64,6 +64,7 @@ fn wire((key, state, version): &Copy) -> Option<pb::CounterState> {
         key: k.key.to_owned(),
         state: serde_json::to_vec(state).ok()?,
         version: *version,
+        budget: u32::from(k.budget),
     })
 }
 

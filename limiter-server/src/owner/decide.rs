@@ -175,12 +175,12 @@ impl Owner {
                     "rejected"
                 );
             }
-            let scope = match verdict.decision {
-                Decision::Allowed { binding, .. } => binding.map(|b| b.scope),
-                Decision::Rejected { scope, .. } => Some(scope),
+            let named = match verdict.decision {
+                Decision::Allowed { binding, .. } => binding.map(|b| (b.scope, Some(b.limit))),
+                Decision::Rejected { scope, limit, .. } => Some((scope, limit)),
             };
-            let limit_name = scope
-                .and_then(|s| chain.levels().find(|l| l.scope == s))
+            let limit_name = named
+                .and_then(|(s, l)| chain.level_named(s, l.as_ref()))
                 .map(|l| l.rule.name.clone());
             let ticket = (report == Report::Later && charged > 0)
                 .then(|| self.tickets.issue(req, charged_at, charged));

@@ -530,8 +530,8 @@ impl Owner {
         now: Nanos,
     ) -> pb::ShouldAllowResponse {
         let name = match decision {
-            limiter_core::Decision::Rejected { scope, .. } => {
-                chain.levels().find(|l| l.scope == scope).map(|l| l.rule.name.clone())
+            limiter_core::Decision::Rejected { scope, limit, .. } => {
+                chain.level_named(scope, limit.as_ref()).map(|l| l.rule.name.clone())
             }
             limiter_core::Decision::Allowed { .. } => None,
         };

@@ -32,13 +32,13 @@ pub fn policy_rules(policy: &Policy) -> Vec<(String, &LimitRule)> {
     }
     let tenants = policy.tenants.iter().map(|(n, t)| (n.as_ref(), t));
     for (name, t) in tenants.chain(policy.default_tenant.as_ref().map(|t| ("default", t))) {
-        if let Some(l) = &t.limit {
+        for l in t.limit.iter() {
             rules.push((format!("tenants.{name}.limit"), l));
         }
         for (route, r) in &t.routes {
             rules.push((format!("tenants.{name}.routes.{route}"), &r.rule));
         }
-        if let Some(l) = &t.per_key {
+        for l in t.per_key.iter() {
             rules.push((format!("tenants.{name}.per_key"), l));
         }
     }

@@ -310,6 +310,9 @@ impl RedisStore {
         for part in [k.tenant, k.route, k.key] {
             let _ = write!(key, ":{}.{part}", part.len());
         }
+        if k.budget > 0 {
+            let _ = write!(key, ":b{}", k.budget);
+        }
         match calendar {
             // The rule names the windows; their starts move with time, so are not
             // part of the key.

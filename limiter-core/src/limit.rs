@@ -105,6 +105,20 @@ impl Limit {
         }
     }
 
+    /// Whether a counter kept for `old` stays right for this limit: the same limit, or
+    /// a window algorithm over the same windows whose `limit` alone changed (its state
+    /// is a count per window, which means the same under any limit). A changed limit
+    /// is then no way to reset a count: a policy reload that raises or lowers a window's
+    /// limit, or an Envoy descriptor's limit override that changes, keeps what was
+    /// counted.
+    pub fn keeps_state_of(&self, old: &Limit) -> bool {
+        match (self, old) {
+            (Self::FixedWindow(a), Self::FixedWindow(b)) => a.window() == b.window(),
+            (Self::SlidingCounter(a), Self::SlidingCounter(b)) => a.window() == b.window(),
+            (a, b) => a == b,
+        }
+    }
+
     /// The calendar rule of a calendar window, if the limit has one.
     pub fn calendar(&self) -> Option<crate::calendar::Calendar> {
         match self {

@@ -32,7 +32,7 @@ use crate::key::{LimitKey, LimitKeyRef};
 use crate::limit::{Limit, LimitState};
 
 /// The most levels one decision touches (global, route, tenant, tenant x route, key).
-pub const MAX_LEVELS: usize = 3 + 2 * crate::policy::Budgets::MAX;
+pub const MAX_LEVELS: usize = 4 + 2 * crate::policy::Budgets::MAX;
 
 /// One stored counter: 80 bytes, plus the key's text.
 #[derive(Debug, Clone)]
@@ -537,7 +537,7 @@ impl Locked<'_, '_> {
         let key = self.keys[i];
         self.map(i)
             .find(self.hashes[i], |s| key.matches(&s.key))
-            .filter(|s| *s.limit == *limit)
+            .filter(|s| limit.keeps_state_of(&s.limit))
             .map(|s| &s.state)
     }
 
@@ -551,7 +551,7 @@ impl Locked<'_, '_> {
         let map = self.guards[usize::from(self.guard_of[i])].as_mut().expect("guard locked");
         let s = map.find_mut(self.hashes[i], |s| key.matches(&s.key))?;
         s.touch(now);
-        (*s.limit == *limit).then_some(&s.state)
+        limit.keeps_state_of(&s.limit).then_some(&s.state)
     }
 
     /// The slot of key `i`, created (or reset, if built for another limit) as needed,
@@ -586,8 +586,10 @@ impl Locked<'_, '_> {
             }
         };
         if *slot.limit != **limit {
+            if !limit.keeps_state_of(&slot.limit) {
+                slot.state = LimitState::Fresh;
+            }
             slot.limit = Arc::clone(limit);
-            slot.state = LimitState::Fresh;
         }
         slot.touch(now);
         if let Some(changes) = &table.changes
@@ -778,6 +780,21 @@ mod tests {
         }
         let mut l = t.lock(&keys);
         assert_eq!(b.remaining(&l.slot_mut(0, &b, 0).state, 0), 5);
+    }
+
+    #[test]
+    fn a_window_whose_limit_alone_changed_keeps_its_count() {
+        let t = StateTable::new(16, 1);
+        let keys = [LimitKeyRef::new(Scope::Tenant, "a", "", "")];
+        let (five, ten) = (Arc::new(fw(5)), Arc::new(fw(10)));
+        let mut l = t.lock(&keys);
+        let slot = l.slot_mut(0, &five, 0);
+        five.charge(&mut slot.state, 0, 5);
+        // Raised to 10: the 5 counted stay counted (5 left, not 10).
+        assert_eq!(ten.remaining(l.get(0, &ten).unwrap(), 0), 5);
+        assert_eq!(ten.remaining(&l.slot_mut(0, &ten, 0).state, 0), 5);
+        // Back to 5: still nothing left in this window.
+        assert_eq!(five.remaining(&l.slot_mut(0, &five, 0).state, 0), 0);
     }
 
     #[test]

@@ -75,6 +75,8 @@ pub const READY: &str = "limiter_ready";
 /// Calls forwarded to a tenant's owner, by `api` and `outcome` (`answered`,
 /// `redirected`, `unreachable`).
 pub const FORWARDS: &str = "limiter_forwards_total";
+/// Envoy descriptors that carried their own limit, by what was done with it.
+pub const ENVOY_DESCRIPTOR_LIMITS: &str = "limiter_envoy_descriptor_limits_total";
 /// Counters handed to or received from other nodes in planned moves, by `direction`.
 pub const HANDOFF_COUNTERS: &str = "limiter_handoff_counters_total";
 /// Handoffs that could not be delivered.
@@ -214,6 +216,10 @@ fn describe() {
     describe_gauge!(LEASES_OPEN, "Leases now open.");
     describe_counter!(LEASE_UNITS, "Leased units by fate: granted, returned, spent, written off.");
     describe_counter!(FORWARDS, "Calls forwarded to a tenant's owner, by api and outcome.");
+    describe_counter!(
+        ENVOY_DESCRIPTOR_LIMITS,
+        "Envoy descriptors with their own limit, by result: applied, capped, ignored, invalid."
+    );
     describe_counter!(HANDOFF_COUNTERS, "Counters handed off in planned moves, by direction.");
     describe_counter!(HANDOFF_FAILURES, "Handoffs that could not be delivered.");
     describe_counter!(

@@ -312,6 +312,29 @@ impl<'a> Chain<'a> {
         out
     }
 
+    /// The chain with one more level at the end: a limit the request brings with it
+    /// (Envoy's per-descriptor override), counted at `scope` under `budget` (kept
+    /// apart from the policy's budgets, which count from 0 below [`Budgets::MAX`]).
+    ///
+    /// # Errors
+    ///
+    /// The request's cost above the limit's capacity (it could never be admitted).
+    pub fn with_level(
+        mut self,
+        scope: Scope,
+        budget: u8,
+        rule: &'a LimitRule,
+    ) -> Result<Self, RequestError> {
+        let capacity = rule.limit.capacity();
+        if self.cost > capacity {
+            return Err(RequestError::CostAboveLimit { cost: self.cost, scope, capacity });
+        }
+        if self.len() < MAX_LEVELS {
+            self.push_budget(scope, budget, rule);
+        }
+        Ok(self)
+    }
+
     /// The level a decision names: of `scope`, and among a level's budgets the one
     /// whose limit is `limit` (the first of the scope when none is given or matches).
     pub fn level_named(&self, scope: Scope, limit: Option<&Limit>) -> Option<Level<'a>> {

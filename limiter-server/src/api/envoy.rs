@@ -13,39 +13,78 @@
 //! `failure_mode_deny` then decides.
 
 use std::borrow::Cow;
+use std::collections::HashMap;
 use std::fmt::Write as _;
+use std::num::NonZeroU64;
 use std::sync::Arc;
 
-use limiter_core::algorithm::Algorithm as _;
+use limiter_core::algorithm::{Algorithm as _, FixedWindow, Window};
 use limiter_core::clock::{NANOS_PER_SEC, Nanos};
+use limiter_core::policy::LimitRule;
 use limiter_core::policy::{NameBounds, Request};
+use limiter_core::rate::Rate;
 use limiter_core::{Decision, Limit, Scope, headers};
 use limiter_core::{RequestError, Verdict};
 use limiter_proto::envoy::config::core::v3::HeaderValue;
 use limiter_proto::envoy::extensions::common::ratelimit::v3::RateLimitDescriptor;
 use limiter_proto::envoy::service::ratelimit::v3 as rls;
+use limiter_proto::envoy::r#type::v3::RateLimitUnit as EnvoyUnit;
 use rls::rate_limit_response::{Code, DescriptorStatus, RateLimit, rate_limit::Unit};
 use rls::rate_limit_service_server::RateLimitService;
 use tonic::{Response, Status};
 
-use crate::config::{EnvoyMapping, TenantFrom};
+use crate::config::{DescriptorLimits, EnvoyMapping, TenantFrom};
 use crate::convert::duration;
 use crate::error::ServerError;
 use crate::metrics::Api;
-use crate::owner::{Charge, Outcome, Owner, Reach, Report};
+use crate::owner::{Charge, Extra, Outcome, Owner, Reach, Report};
 
 /// `envoy.service.ratelimit.v3.RateLimitService` over an [`Owner`].
 #[derive(Debug, Clone)]
 pub struct EnvoyService {
     owner: Arc<Owner>,
     mapping: Arc<EnvoyMapping>,
+    overrides: Arc<OverrideRules>,
 }
 
 impl EnvoyService {
     /// The service over `owner` with a descriptor mapping.
     pub fn new(owner: Arc<Owner>, mapping: EnvoyMapping) -> Self {
-        Self { owner, mapping: Arc::new(mapping) }
+        Self { owner, mapping: Arc::new(mapping), overrides: Arc::default() }
     }
+
+    /// Each descriptor's own limit as a rule, when the mapping applies them.
+    fn override_rules(&self, mapped: &[Mapped<'_>]) -> Vec<Option<(u8, Arc<LimitRule>)>> {
+        mapped
+            .iter()
+            .map(|m| {
+                let (requests, unit) = m.limit?;
+                let DescriptorLimits::Apply { cap } = self.mapping.descriptor_limits else {
+                    count_override("ignored");
+                    return None;
+                };
+                let Some((unit, n, window, capped)) = override_limit(requests, unit, cap) else {
+                    count_override("invalid");
+                    return None;
+                };
+                count_override(if capped { "capped" } else { "applied" });
+                Some((override_budget(unit), self.overrides.rule(n, unit, window)))
+            })
+            .collect()
+    }
+}
+
+fn count_override(result: &'static str) {
+    metrics::counter!(crate::metrics::ENVOY_DESCRIPTOR_LIMITS, "result" => result).increment(1);
+}
+
+fn extras(rules: &[Option<(u8, Arc<LimitRule>)>]) -> Vec<Option<Extra<'_>>> {
+    rules
+        .iter()
+        .map(|r| {
+            r.as_ref().map(|(budget, rule)| Extra { scope: Scope::Key, budget: *budget, rule })
+        })
+        .collect()
 }
 
 /// One descriptor, mapped.
@@ -55,6 +94,8 @@ struct Mapped<'a> {
     key: Option<String>,
     cost: u64,
     dry_run: bool,
+    /// The descriptor's own limit: requests per unit, and Envoy's unit.
+    limit: Option<(u32, i32)>,
 }
 
 /// How many hex digits of a value's SHA-256 stand for a value too long for a name.
@@ -170,8 +211,77 @@ fn map<'a>(
         key,
         cost,
         dry_run,
+        limit: d.limit.as_ref().map(|l| (l.requests_per_unit, l.unit)),
     })
 }
+
+/// The budget index of a descriptor's own limit: one counter per unit, kept apart from
+/// the policy's budgets at the key level, so that a descriptor whose override changes
+/// size keeps its count (a window's count holds under any limit) and one whose unit
+/// changes finds its own unit's count again.
+fn override_budget(unit: EnvoyUnit) -> u8 {
+    u8::try_from(limiter_core::policy::Budgets::MAX).unwrap_or(4) + unit as u8
+}
+
+/// A descriptor's own limit as a fixed window: its unit (second to day aligned on the
+/// epoch, month and year calendar-aligned in UTC, as Envoy's own service counts them),
+/// its size capped at `cap` over that unit. `None`: no override, an unknown unit, or
+/// zero requests (Envoy's config validation refuses both), counted as ignored.
+fn override_limit(requests: u32, unit: i32, cap: Rate) -> Option<(EnvoyUnit, u64, Window, bool)> {
+    use limiter_core::calendar::{Calendar, CalendarUnit, WeekStart};
+    let unit = EnvoyUnit::try_from(unit).ok()?;
+    let n = u64::from(requests);
+    let fixed = |secs: u64| Window::Fixed(NonZeroU64::new(secs * NANOS_PER_SEC).expect("positive"));
+    let calendar = |u| Calendar::try_new(u, 1, "UTC", WeekStart::Monday).ok().map(Window::Calendar);
+    let window = match unit {
+        EnvoyUnit::Unknown => return None,
+        EnvoyUnit::Second => fixed(1),
+        EnvoyUnit::Minute => fixed(60),
+        EnvoyUnit::Hour => fixed(3_600),
+        EnvoyUnit::Day => fixed(86_400),
+        EnvoyUnit::Month => calendar(CalendarUnit::Month)?,
+        EnvoyUnit::Year => calendar(CalendarUnit::Year)?,
+    };
+    if n == 0 {
+        return None;
+    }
+    // The cap over the unit's typical length (a month as 30 days).
+    let most = u128::from(cap.amount().get()) * u128::from(window.nominal())
+        / u128::from(cap.period().get());
+    let most = u64::try_from(most).unwrap_or(u64::MAX).max(1);
+    Some((unit, n.min(most), window, n > most))
+}
+
+/// Descriptor overrides as limit rules, made once per size and unit (a bounded set:
+/// past [`OVERRIDE_RULES`] distinct ones it starts afresh; a rule is only a limit,
+/// counters do not live here).
+#[derive(Debug, Default)]
+struct OverrideRules(parking_lot::Mutex<HashMap<(u64, EnvoyUnit), Arc<LimitRule>>>);
+
+/// The most override rules kept at once.
+const OVERRIDE_RULES: usize = 4_096;
+
+impl OverrideRules {
+    fn rule(&self, n: u64, unit: EnvoyUnit, window: Window) -> Arc<LimitRule> {
+        let mut rules = self.0.lock();
+        if let Some(r) = rules.get(&(n, unit)) {
+            return Arc::clone(r);
+        }
+        if rules.len() >= OVERRIDE_RULES {
+            rules.clear();
+        }
+        let limit = Limit::FixedWindow(FixedWindow::with_window(
+            NonZeroU64::new(n).expect("checked positive"),
+            window,
+        ));
+        let rule = Arc::new(LimitRule { limit: Arc::new(limit), name: Arc::from(OVERRIDE_NAME) });
+        rules.insert((n, unit), Arc::clone(&rule));
+        rule
+    }
+}
+
+/// The name of a descriptor's own limit in headers and statuses.
+const OVERRIDE_NAME: &str = "override";
 
 /// Envoy's unit and amount closest to `quota` per `window`: exact when the window is
 /// one unit, else the rate scaled to the smallest unit that gives at least one.
@@ -305,11 +415,20 @@ struct Refused {
 /// The over-limit answer for request `i` of `core`, when deciding it failed in a way
 /// its caller chose (a cost above a level's capacity, a new key beyond the tenant's
 /// cap); `None` for any other error.
-fn refused(owner: &Owner, core: &[Request<'_>], i: usize, e: &ServerError) -> Option<Refused> {
+fn refused(
+    owner: &Owner,
+    core: &[Request<'_>],
+    extra: &[Option<Extra<'_>>],
+    i: usize,
+    e: &ServerError,
+) -> Option<Refused> {
     let req = core.get(i)?;
     let active = owner.policies().current();
     let probe = Request { cost: Some(1), dry_run: true, ..*req };
-    let chain = active.policy.resolve(&probe, &owner.limits().names).ok()?;
+    let mut chain = active.policy.resolve(&probe, &owner.limits().names).ok()?;
+    if let Some(Some(x)) = extra.get(i) {
+        chain = chain.with_level(x.scope, x.budget, x.rule).ok()?;
+    }
     let (scope, capacity, detail) = match e {
         ServerError::Request(RequestError::CostAboveLimit { scope, capacity, .. }) => {
             (*scope, Some(*capacity), limiter_core::text::shorten(&e.to_string()).into_owned())
@@ -413,7 +532,8 @@ impl RateLimitService for EnvoyService {
                 None => {}
             }
         }
-        self.decide(&core, unreachable).await.map(Response::new)
+        let rules = self.override_rules(&mapped);
+        self.decide(&core, &extras(&rules), unreachable).await.map(Response::new)
     }
 }
 
@@ -425,12 +545,13 @@ impl EnvoyService {
     async fn decide(
         &self,
         core: &[Request<'_>],
+        extra: &[Option<Extra<'_>>],
         unreachable: bool,
     ) -> Result<rls::RateLimitResponse, Status> {
         let reach = Reach::of(unreachable);
         let first = self
             .owner
-            .decide_with(Api::Envoy, core, Charge::AllOrNothing, Report::Now, reach)
+            .decide_with_extra(Api::Envoy, core, extra, Charge::AllOrNothing, Report::Now, reach)
             .await;
         let (i, e) = match first {
             Ok(outcomes) => return Ok(answer(&outcomes, None)),
@@ -441,7 +562,7 @@ impl EnvoyService {
         // Each pass turns at most one more descriptor into a refusal.
         for _ in 0..core.len() {
             let Some((i, e)) = failure.take() else { break };
-            let Some(r) = refused(&self.owner, core, i, &e) else {
+            let Some(r) = refused(&self.owner, core, extra, i, &e) else {
                 return Err(crate::error::element_status(Api::Envoy, "descriptors", i, e));
             };
             crate::metrics::count_invalid(Api::Envoy, e.field());
@@ -455,9 +576,18 @@ impl EnvoyService {
                 })
                 .collect();
             let checks: Vec<Request<'_>> = rest.iter().map(|(_, r)| *r).collect();
+            let check_extra: Vec<Option<Extra<'_>>> =
+                rest.iter().map(|(j, _)| extra.get(*j).copied().flatten()).collect();
             match self
                 .owner
-                .decide_with(Api::Envoy, &checks, Charge::Each, Report::Now, reach)
+                .decide_with_extra(
+                    Api::Envoy,
+                    &checks,
+                    &check_extra,
+                    Charge::Each,
+                    Report::Now,
+                    reach,
+                )
                 .await
             {
                 Ok(outcomes) => {

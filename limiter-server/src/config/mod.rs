@@ -87,6 +87,8 @@ struct RawEnvoy {
     tenant_key: String,
     route_key: String,
     default_route: Option<String>,
+    descriptor_limits: String,
+    descriptor_limit_cap: Option<String>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -147,6 +149,7 @@ envoy:
   tenant_from: domain
   tenant_key: tenant
   route_key: route
+  descriptor_limits: ignore
 dashboard:
   show_keys: false
 reload:
@@ -202,6 +205,22 @@ pub struct EnvoyMapping {
     pub route_key: String,
     /// The route of descriptors without a route entry.
     pub default_route: Option<String>,
+    /// What a descriptor's own `limit` (Envoy's per-descriptor override) does.
+    pub descriptor_limits: DescriptorLimits,
+}
+
+/// What a descriptor's `limit` override does (`envoy.descriptor_limits`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DescriptorLimits {
+    /// Ignored (the default): only the policy's levels apply.
+    Ignore,
+    /// Checked as a level of its own, keyed by the descriptor, in addition to the
+    /// policy's levels: a fixed window of the override's size and unit (calendar
+    /// month and year in UTC), its size capped at `cap` over that unit.
+    Apply {
+        /// The most an override may grant, as a rate (`envoy.descriptor_limit_cap`).
+        cap: limiter_core::rate::Rate,
+    },
 }
 
 /// Bounds on what callers may send.

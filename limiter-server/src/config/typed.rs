@@ -152,6 +152,35 @@ impl TryFrom<Raw> for ServerConfig {
         if raw.envoy.route_key.is_empty() {
             errors.push("envoy.route_key: must not be empty".to_owned());
         }
+        let cap = raw.envoy.descriptor_limit_cap.as_deref().filter(|c| !c.is_empty());
+        let descriptor_limits = match (raw.envoy.descriptor_limits.as_str(), cap) {
+            ("ignore", _) => DescriptorLimits::Ignore,
+            ("apply", Some(cap)) => match cap.parse::<limiter_core::rate::Rate>() {
+                Ok(cap) => DescriptorLimits::Apply { cap },
+                Err(e) => {
+                    errors.push(format!(
+                        "envoy.descriptor_limit_cap: {e}, found `{}`",
+                        limiter_core::text::shorten(cap)
+                    ));
+                    DescriptorLimits::Ignore
+                }
+            },
+            ("apply", None) => {
+                errors.push(
+                    "envoy.descriptor_limit_cap: `descriptor_limits: apply` needs a cap (a rate \
+                     like `1000/s`): the most a descriptor's own limit may grant"
+                        .to_owned(),
+                );
+                DescriptorLimits::Ignore
+            }
+            (other, _) => {
+                errors.push(format!(
+                    "envoy.descriptor_limits: expected `ignore` or `apply`, found `{}`",
+                    limiter_core::text::shorten(other)
+                ));
+                DescriptorLimits::Ignore
+            }
+        };
         let reload_poll =
             millis(&mut errors, "reload.poll_interval_ms", raw.reload.poll_interval_ms, false);
         let reload_settle = millis(&mut errors, "reload.settle_ms", raw.reload.settle_ms, true);
@@ -185,6 +214,7 @@ impl TryFrom<Raw> for ServerConfig {
                 tenant_from,
                 route_key: raw.envoy.route_key,
                 default_route: raw.envoy.default_route.filter(|r| !r.is_empty()),
+                descriptor_limits,
             },
             reload_poll,
             reload_settle,

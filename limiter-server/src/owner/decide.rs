@@ -121,12 +121,35 @@ impl Owner {
         report: Report,
         reach: Reach,
     ) -> Result<Vec<Outcome>, (usize, ServerError)> {
+        self.decide_with_extra(api, requests, &[], charge, report, reach).await
+    }
+
+    /// Like [`Self::decide_with`], request `i` also checked against `extra[i]`, a
+    /// limit it brings with it (Envoy's per-descriptor override), as a level of its
+    /// own after the policy's.
+    ///
+    /// # Errors
+    ///
+    /// As [`Self::decide_with`].
+    pub async fn decide_with_extra(
+        &self,
+        api: Api,
+        requests: &[Request<'_>],
+        extra: &[Option<Extra<'_>>],
+        charge: Charge,
+        report: Report,
+        reach: Reach,
+    ) -> Result<Vec<Outcome>, (usize, ServerError)> {
         let unreachable = reach == Reach::Unreachable;
         let started = self.clock.now();
         let active = self.policies.current();
         let mut chains: Vec<Chain<'_>> = Vec::with_capacity(requests.len());
         for (i, r) in requests.iter().enumerate() {
-            let chain = active.policy.resolve(r, &self.limits.names).map_err(|e| (i, e.into()))?;
+            let mut chain =
+                active.policy.resolve(r, &self.limits.names).map_err(|e| (i, e.into()))?;
+            if let Some(Some(x)) = extra.get(i) {
+                chain = chain.with_level(x.scope, x.budget, x.rule).map_err(|e| (i, e.into()))?;
+            }
             if !unreachable {
                 self.store.admits(&chain).map_err(|e| (i, e))?;
             }
@@ -346,4 +369,15 @@ pub struct Usage {
     pub unknown_tenant: bool,
     /// When the levels were read (nanoseconds since the Unix epoch).
     pub now: Nanos,
+}
+
+/// A limit a request brings with it, checked as a level of its own.
+#[derive(Debug, Clone, Copy)]
+pub struct Extra<'a> {
+    /// The level's scope.
+    pub scope: limiter_core::Scope,
+    /// Its budget index (kept apart from the policy's).
+    pub budget: u8,
+    /// The limit.
+    pub rule: &'a limiter_core::policy::LimitRule,
 }

@@ -4,7 +4,7 @@
 //! hitters ([`heavy`]).
 
 mod decide;
-pub use decide::{LevelUsage, Usage};
+pub use decide::{Extra, LevelUsage, Usage};
 pub mod heavy;
 pub mod lease;
 pub mod reload;

@@ -313,21 +313,24 @@ impl RedisStore {
         if k.budget > 0 {
             let _ = write!(key, ":b{}", k.budget);
         }
-        match calendar {
-            // The rule names the windows; their starts move with time, so are not
-            // part of the key.
-            Some(c) => {
+        // A window algorithm's key names its windows, not its limit: a count per window
+        // means the same under any limit, so a changed limit keeps it (as the memory
+        // store does). A calendar rule's starts move with time, so are not named.
+        match (calendar, kind) {
+            (Some(c), _) => {
                 let _ = write!(
                     key,
-                    ":{kind}.{}.{}{}.{}.{}",
-                    p[0],
+                    ":{kind}.{}{}.{}.{}",
                     c.count(),
                     c.unit().suffix(),
                     c.zone_name(),
                     c.week_start().as_str()
                 );
             }
-            None => {
+            (None, "fw" | "sc") => {
+                let _ = write!(key, ":{kind}.{}", p[1]);
+            }
+            (None, _) => {
                 let _ = write!(key, ":{kind}.{}.{}.{}", p[0], p[1], p[2]);
             }
         }

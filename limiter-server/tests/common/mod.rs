@@ -77,16 +77,24 @@ impl TestServer {
 
     /// Starts a server on `policy` with its store on `backend`.
     pub(crate) async fn start_on(backend: Backend, policy: &str) -> Self {
+        Self::start_on_with(backend, policy, &[]).await
+    }
+
+    /// Like [`Self::start_on`] with extra `LIMITER__*` settings.
+    pub(crate) async fn start_on_with(
+        backend: Backend,
+        policy: &str,
+        env: &[(&str, &str)],
+    ) -> Self {
         match backend {
-            Backend::Memory => Self::start(policy).await,
+            Backend::Memory => Self::start_with(policy, env).await,
             Backend::Redis => {
                 let redis = redis::RedisServer::start();
                 let url = redis.url();
-                let mut s = Self::start_with(
-                    policy,
-                    &[("LIMITER__STORE__KIND", "redis"), ("LIMITER__STORE__REDIS__URL", &url)],
-                )
-                .await;
+                let mut vars =
+                    vec![("LIMITER__STORE__KIND", "redis"), ("LIMITER__STORE__REDIS__URL", &url)];
+                vars.extend_from_slice(env);
+                let mut s = Self::start_with(policy, &vars).await;
                 s.redis = Some(redis);
                 s
             }

@@ -197,3 +197,31 @@ macro_rules! store_tests {
 }
 
 on_each_store!(store_tests);
+
+#[tokio::test]
+async fn every_budget_of_a_level_is_reported_by_name() {
+    let policy = "version: 1
+tenants:
+  t:
+    limit:
+      - { name: per_minute, algorithm: fixed_window, limit: 10, window: 1m }
+      - { name: per_month, algorithm: fixed_window, limit: 1000, window: 1mo, align: calendar }
+";
+    let s = TestServer::start(policy).await;
+    let mut c = s.native().await;
+    assert!(c.should_allow(ask(3, false)).await.unwrap().into_inner().allowed);
+    let u = c.usage(usage_of("")).await.unwrap().into_inner();
+    let got: Vec<(pb::Scope, String, u64)> = u
+        .levels
+        .iter()
+        .map(|l| (l.scope(), l.limit.as_ref().unwrap().name.clone(), l.remaining))
+        .collect();
+    assert_eq!(
+        got,
+        [
+            (pb::Scope::Tenant, "per_minute".to_owned(), 7),
+            (pb::Scope::Tenant, "per_month".to_owned(), 997)
+        ]
+    );
+    s.stop().await;
+}

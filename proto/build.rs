@@ -9,6 +9,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         println!("cargo:rerun-if-changed={dir}");
     }
     let fds = protox::compile(files, ["."])?;
+    // The encoded descriptors, for gRPC server reflection.
+    let out = std::path::PathBuf::from(std::env::var("OUT_DIR")?);
+    std::fs::write(out.join("descriptors.bin"), prost::Message::encode_to_vec(&fds))?;
     tonic_prost_build::configure().build_server(true).build_client(true).compile_fds(fds)?;
     Ok(())
 }

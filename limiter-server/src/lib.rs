@@ -1,7 +1,8 @@
 //! limiter-server: the token-owner server.
 //!
 //! - gRPC on one port: our `limiter.v1.RateLimiter` ([`api::native`]), Envoy's
-//!   `envoy.service.ratelimit.v3.RateLimitService` ([`api::envoy`]) and `grpc.health.v1`;
+//!   `envoy.service.ratelimit.v3.RateLimitService` ([`api::envoy`]), `grpc.health.v1`
+//!   and gRPC server reflection (v1 and v1alpha) for all of them;
 //! - an admin HTTP port ([`admin`]): `/metrics`, `/healthz`, `/readyz`, `/policy`;
 //! - the policy file, hot-reloaded ([`owner::reload`]); counters in a [`store::Store`];
 //! - TLS and authentication per listener, and for calls to peers ([`security`]).
@@ -52,6 +53,18 @@ fn longest_lease_ttl(policy: &limiter_core::policy::Policy) -> Nanos {
 
 /// How often slices of root keys are looked at for renewal.
 const SLICE_RENEW_EVERY: std::time::Duration = std::time::Duration::from_millis(100);
+
+/// gRPC server reflection in both versions tools speak (grpcurl and grpcui ask v1
+/// first, older clients v1alpha), listing the native, Envoy and health services.
+fn reflection() -> tonic_reflection::server::Builder<'static> {
+    // Each version lists both reflection services, whichever a tool asks.
+    tonic_reflection::server::Builder::configure()
+        .include_reflection_service(false)
+        .register_encoded_file_descriptor_set(limiter_proto::FILE_DESCRIPTOR_SET)
+        .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+        .register_encoded_file_descriptor_set(tonic_reflection::pb::v1::FILE_DESCRIPTOR_SET)
+        .register_encoded_file_descriptor_set(tonic_reflection::pb::v1alpha::FILE_DESCRIPTOR_SET)
+}
 
 /// A configured server, not yet serving.
 #[derive(Debug)]
@@ -279,6 +292,11 @@ impl Server {
             config.envoy.clone(),
         ))
         .max_decoding_message_size(max_message);
+        // The descriptor sets are built into the binary: a failure to decode them is a
+        // build defect (the reflection test catches it), never caused by a caller.
+        let reflection_v1 = reflection().build_v1().expect("the built-in descriptors decode");
+        let reflection_alpha =
+            reflection().build_v1alpha().expect("the built-in descriptors decode");
         let grpc_stop = CancellationToken::new();
         let (grpc_limits, admin_limits) = config.limits.connections(listener::raise_file_limit());
         tracing::info!(
@@ -299,6 +317,8 @@ impl Server {
             .layer(listener::ActivityLayer)
             .layer(security::guard::GuardLayer(security.grpc_guard.clone()))
             .add_service(health_service)
+            .add_service(reflection_v1)
+            .add_service(reflection_alpha)
             .add_service(native)
             .add_service(envoy);
         let conns = listener::accept(listeners.grpc, "grpc", grpc_limits, grpc_stop.clone());

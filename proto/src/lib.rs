@@ -12,6 +12,10 @@
 
 pub mod connect;
 
+/// Every message and service declared here, as an encoded `FileDescriptorSet` (what
+/// gRPC server reflection answers with).
+pub const FILE_DESCRIPTOR_SET: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/descriptors.bin"));
+
 /// Our native API.
 pub mod limiter {
     /// Version 1.

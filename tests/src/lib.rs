@@ -168,3 +168,132 @@ impl Drop for ServerProcess {
         self.kill();
     }
 }
+
+/// A real DNS server (`dnsmasq`) on a loopback port, answering for one name with
+/// the addresses it is given (TTL 0), until dropped.
+#[derive(Debug)]
+pub struct DnsServer {
+    child: Option<Child>,
+    /// Where it listens (UDP and TCP).
+    pub addr: SocketAddr,
+    hosts: std::path::PathBuf,
+    name: String,
+    _dir: tempfile::TempDir,
+}
+
+impl DnsServer {
+    /// Starts `dnsmasq` answering `name` with `ips`.
+    ///
+    /// # Panics
+    ///
+    /// When `dnsmasq` is not installed or does not answer within 10 seconds.
+    pub fn start(name: &str, ips: &[std::net::IpAddr]) -> Self {
+        let dir = tempfile::tempdir().unwrap();
+        let hosts = dir.path().join("hosts");
+        let mut s =
+            Self { child: None, addr: free_udp_addr(), hosts, name: name.to_owned(), _dir: dir };
+        s.set(ips);
+        s.restart();
+        s
+    }
+
+    /// Answers `name` with `ips` from now on (`dnsmasq` rereads its hosts on SIGHUP).
+    ///
+    /// # Panics
+    ///
+    /// When the file cannot be written or the signal not sent.
+    pub fn set(&mut self, ips: &[std::net::IpAddr]) {
+        let text: String = ips.iter().map(|ip| format!("{ip} {}\n", self.name)).collect();
+        std::fs::write(&self.hosts, text).unwrap();
+        if let Some(c) = &self.child {
+            let ok = Command::new("kill")
+                .args(["-HUP", &c.id().to_string()])
+                .status()
+                .is_ok_and(|s| s.success());
+            assert!(ok, "SIGHUP not delivered to dnsmasq");
+            // It rereads the file at once; give it a moment.
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    /// Stops it (nothing answers on its port until [`Self::restart`]).
+    pub fn stop(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+
+    /// Starts it again on the same port.
+    ///
+    /// # Panics
+    ///
+    /// When it does not start.
+    pub fn restart(&mut self) {
+        self.stop();
+        let domain = self.name.rsplit('.').next().unwrap_or("test").to_owned();
+        let bin =
+            if Path::new("/usr/sbin/dnsmasq").exists() { "/usr/sbin/dnsmasq" } else { "dnsmasq" };
+        let child = Command::new(bin)
+            .args([
+                "--keep-in-foreground",
+                "--conf-file=/dev/null",
+                "--no-resolv",
+                "--no-hosts",
+                "--bind-interfaces",
+                "--user=root",
+                "--pid-file",
+                "--local-ttl=0",
+            ])
+            .arg(format!("--listen-address={}", self.addr.ip()))
+            .arg(format!("--port={}", self.addr.port()))
+            .arg(format!("--addn-hosts={}", self.hosts.display()))
+            .arg(format!("--local=/{domain}/"))
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("dnsmasq starts (scripts/test installs dnsmasq-base)");
+        self.child = Some(child);
+        // Up once it holds its TCP port.
+        for _ in 0..200 {
+            if std::net::TcpStream::connect(self.addr).is_ok() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        panic!("dnsmasq did not start on {}", self.addr);
+    }
+}
+
+impl Drop for DnsServer {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+/// A loopback port free for both UDP and TCP.
+fn free_udp_addr() -> SocketAddr {
+    loop {
+        let udp = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
+        let addr = udp.local_addr().unwrap();
+        if std::net::TcpListener::bind(addr).is_ok() {
+            return addr;
+        }
+    }
+}
+
+/// One port free on each of `ips` (loopback addresses: the whole of 127.0.0.0/8 is
+/// this machine), so that several nodes can listen at the same port, as pods do.
+///
+/// # Panics
+///
+/// When no such port is found in 100 tries.
+pub fn free_port_on(ips: &[std::net::IpAddr]) -> u16 {
+    for _ in 0..100 {
+        let port = free_addr().port();
+        if ips.iter().all(|ip| std::net::TcpListener::bind((*ip, port)).is_ok()) {
+            return port;
+        }
+    }
+    panic!("no port free on all of {ips:?}");
+}

@@ -50,31 +50,67 @@ tenants:
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_rolling_restart_under_load_fails_nothing_and_overshoots_nothing() {
-    rolling_restart(None).await;
+    rolling_restart(Members::Static).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_rolling_restart_with_the_redis_registry_fails_nothing_and_overshoots_nothing() {
     let redis = RedisServer::start();
-    rolling_restart(Some(&redis.url())).await;
+    rolling_restart(Members::Registry(&redis.url())).await;
 }
 
-/// Restarts each of three nodes in turn (SIGTERM, wait, start) under steady load, with
-/// static membership or the Redis registry at `registry`.
-async fn rolling_restart(registry: Option<&str>) {
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rolling_restart_with_dns_membership_fails_nothing_and_overshoots_nothing() {
+    rolling_restart(Members::Dns).await;
+}
+
+/// Where a rolling restart's nodes find each other.
+#[derive(Debug, Clone, Copy)]
+enum Members<'a> {
+    Static,
+    /// A Redis registry at this URL.
+    Registry(&'a str),
+    /// A DNS server listing 127.0.0.1-3, the nodes sharing one port.
+    Dns,
+}
+
+/// Restarts each of three nodes in turn (SIGTERM, wait, start) under steady load,
+/// finding each other as `members` says.
+async fn rolling_restart(members: Members<'_>) {
     let dir = tempfile::tempdir().unwrap();
     let policy = dir.path().join("policies.yaml");
     std::fs::write(&policy, ROLLING).unwrap();
-    let nodes: Vec<Node> = ["a", "b", "c"].iter().map(|id| Node::new(id)).collect();
-    let (peers, extra) = match registry {
-        None => (Node::static_peers(&nodes), Vec::new()),
-        Some(url) => (
+    let ips: Vec<std::net::IpAddr> =
+        (1..=3).map(|k| std::net::IpAddr::from([127, 0, 0, k])).collect();
+    let nodes: Vec<Node> = match members {
+        Members::Dns => {
+            let port = limiter_tests::free_port_on(&ips);
+            ips.iter().map(|ip| Node::at(std::net::SocketAddr::new(*ip, port))).collect()
+        }
+        _ => ["a", "b", "c"].iter().map(|id| Node::new(id)).collect(),
+    };
+    let dns = matches!(members, Members::Dns)
+        .then(|| limiter_tests::DnsServer::start("limiter-headless.test", &ips));
+    let dns_server = dns.as_ref().map(|d| d.addr.to_string()).unwrap_or_default();
+    let (peers, extra) = match members {
+        Members::Static => (Node::static_peers(&nodes), Vec::new()),
+        Members::Registry(url) => (
             String::new(),
             vec![
                 ("LIMITER__CLUSTER__MEMBERSHIP", "redis"),
                 ("LIMITER__CLUSTER__REGISTRY_URL", url),
                 ("LIMITER__CLUSTER__REGISTRY_TTL_MS", "1000"),
                 ("LIMITER__CLUSTER__REGISTRY_POLL_MS", "100"),
+            ],
+        ),
+        Members::Dns => (
+            String::new(),
+            vec![
+                ("LIMITER__CLUSTER__MEMBERSHIP", "dns"),
+                ("LIMITER__CLUSTER__NODE_ID", ""),
+                ("LIMITER__CLUSTER__DNS_NAME", "limiter-headless.test."),
+                ("LIMITER__CLUSTER__DNS_SERVER", dns_server.as_str()),
+                ("LIMITER__CLUSTER__DNS_INTERVAL_MS", "500"),
             ],
         ),
     };
@@ -150,7 +186,11 @@ async fn rolling_restart(registry: Option<&str>) {
     println!(
         "rolling restart ({}): {} requests, {} failed, {} answered by the failure policy, {total} admitted \
          (at most {} allowed); per tenant: {:?}",
-        if registry.is_some() { "Redis registry" } else { "static peers" },
+        match members {
+            Members::Static => "static peers",
+            Members::Registry(_) => "Redis registry",
+            Members::Dns => "DNS",
+        },
         sent.load(Ordering::Relaxed),
         failed.load(Ordering::Relaxed),
         fallback.load(Ordering::Relaxed),

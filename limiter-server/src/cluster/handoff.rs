@@ -307,14 +307,16 @@ impl Cluster {
         }
     }
 
-    /// Whether `id` names a node of this cluster: a member of the current ring, or
-    /// one of the configured static peers (which may be out of the ring for a moment).
+    /// Whether `id` names a node of this cluster: a member of the current ring, one of
+    /// the configured static peers or of the addresses DNS lists (which may be out of
+    /// the ring for a moment).
     pub(super) fn knows(&self, id: &str) -> bool {
         if id == &*self.me.id {
             return false;
         }
         self.ring.load().member(id).is_some()
             || matches!(&self.config.membership, Membership::Static(peers) if peers.iter().any(|p| p.id == id))
+            || self.candidates.lock().iter().any(|c| **c == *id)
             || self.left.lock().contains_key(id)
     }
 

@@ -10,6 +10,13 @@
 //!   node derives the same ring at the same epoch, and the epoch only grows. When the
 //!   registry cannot be reached, the last good ring keeps serving and
 //!   `limiter_membership_view_age_seconds` grows.
+//! - DNS: the A and AAAA records of one name (a Kubernetes headless Service) are the
+//!   candidates, at this node's gRPC port, looked up every `dns_interval` (or when
+//!   their TTL ends, whichever is later, up to [`MAX_TTL_WAIT`]); each candidate is
+//!   health-checked with the same hysteresis as static peers, and ids are addresses,
+//!   so every node derives the same ring. A failed or empty answer keeps the last
+//!   good list (and the view's age grows); a node joins only once the name lists its
+//!   own address, so it never decides with a view the others cannot share.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -17,9 +24,13 @@ use std::time::Duration;
 
 use tokio_util::sync::CancellationToken;
 
+use super::dns::Resolver;
 use super::ring::{Member, Ring};
 use super::{Cluster, LocalState};
-use crate::config::{Membership, Peer};
+use crate::config::Membership;
+
+/// The longest a record's TTL delays the next DNS lookup.
+pub(crate) const MAX_TTL_WAIT: Duration = Duration::from_secs(30);
 
 /// Renews this node's entry, drops expired ones, bumps the epoch on any change and
 /// returns `{epoch, id, info, id, info, ...}`. KEYS: members (zset), epoch, info
@@ -62,7 +73,30 @@ return out
 pub async fn run(cluster: Arc<Cluster>, state: Arc<dyn LocalState>, cancel: CancellationToken) {
     match cluster.config().membership.clone() {
         Membership::Single => {}
-        Membership::Static(peers) => run_static(&cluster, &*state, &peers, cancel).await,
+        Membership::Static(peers) => {
+            let others: Vec<Member> = peers
+                .iter()
+                .filter(|p| *p.id != *cluster.me().id)
+                .map(|p| Member {
+                    id: p.id.as_str().into(),
+                    address: p.address.as_str().into(),
+                    weight: p.weight,
+                })
+                .collect();
+            run_checked(&cluster, &*state, Candidates::Fixed(others), cancel).await;
+        }
+        Membership::Dns { name, server, port, interval, timeout } => {
+            let dns = DnsCandidates {
+                resolver: Resolver::new(server, timeout),
+                name,
+                port,
+                interval,
+                next: tokio::time::Instant::now(),
+                found: None,
+                failures: 0,
+            };
+            run_checked(&cluster, &*state, Candidates::Dns(Box::new(dns)), cancel).await;
+        }
         Membership::Registry { url, key, ttl, poll } => {
             run_registry(&cluster, &*state, &url, &key, ttl, poll, cancel).await;
         }
@@ -75,23 +109,89 @@ struct Health {
     streak: u32,
 }
 
-async fn run_static(
+/// The nodes that may be members, each to be health-checked.
+enum Candidates {
+    /// Static peers (without this node).
+    Fixed(Vec<Member>),
+    /// What a DNS name lists.
+    Dns(Box<DnsCandidates>),
+}
+
+struct DnsCandidates {
+    resolver: Resolver,
+    name: String,
+    port: u16,
+    interval: Duration,
+    /// When the name is looked up next.
+    next: tokio::time::Instant,
+    /// The last good list (every address, this node's too), sorted by id.
+    found: Option<Vec<Member>>,
+    failures: u32,
+}
+
+impl DnsCandidates {
+    /// Looks the name up when due; keeps the last good list on a failed or empty
+    /// answer. Whether a good answer came in this call.
+    async fn refresh(&mut self) -> bool {
+        let now = tokio::time::Instant::now();
+        if now < self.next {
+            return false;
+        }
+        let answer = self.resolver.lookup(&self.name).await;
+        let wait = match &answer {
+            Ok(a) if !a.addresses.is_empty() => self.interval.max(a.ttl.min(MAX_TTL_WAIT)),
+            _ => self.interval,
+        };
+        self.next = now + wait;
+        match answer {
+            Ok(a) if !a.addresses.is_empty() => {
+                let mut members: Vec<Member> = a
+                    .addresses
+                    .iter()
+                    .map(|ip| {
+                        let id: Arc<str> =
+                            std::net::SocketAddr::new(*ip, self.port).to_string().into();
+                        Member { id: id.clone(), address: id, weight: 1 }
+                    })
+                    .collect();
+                members.sort_by(|a, b| a.id.cmp(&b.id));
+                if self.found.as_ref() != Some(&members) {
+                    tracing::info!(name = %self.name, members = members.len(), "membership records changed");
+                }
+                self.failures = 0;
+                self.found = Some(members);
+                true
+            }
+            other => {
+                self.failures += 1;
+                if self.failures == 1 || self.failures.is_power_of_two() {
+                    match other {
+                        Ok(_) => tracing::warn!(
+                            name = %self.name,
+                            failures = self.failures,
+                            "membership name has no address records: the last list keeps serving"
+                        ),
+                        Err(e) => tracing::warn!(
+                            name = %self.name,
+                            failures = self.failures,
+                            "membership lookup failed ({e}): the last list keeps serving"
+                        ),
+                    }
+                }
+                false
+            }
+        }
+    }
+}
+
+async fn run_checked(
     cluster: &Cluster,
     state: &dyn LocalState,
-    peers: &[Peer],
+    mut candidates: Candidates,
     cancel: CancellationToken,
 ) {
     let me = cluster.me().clone();
     let cfg = cluster.config().clone();
-    let others: Vec<Member> = peers
-        .iter()
-        .filter(|p| *p.id != *me.id)
-        .map(|p| Member {
-            id: p.id.as_str().into(),
-            address: p.address.as_str().into(),
-            weight: p.weight,
-        })
-        .collect();
     let mut health: HashMap<Arc<str>, Health> = HashMap::new();
     let mut epoch = 0;
     let mut tick = tokio::time::interval(cfg.health_interval);
@@ -101,6 +201,28 @@ async fn run_static(
             () = cancel.cancelled() => return,
             _ = tick.tick() => {}
         }
+        let (others, listed): (Vec<Member>, bool) = match &mut candidates {
+            Candidates::Fixed(others) => (others.clone(), true),
+            Candidates::Dns(dns) => {
+                if dns.refresh().await {
+                    cluster.refreshed();
+                }
+                let Some(found) = &dns.found else {
+                    // No answer yet: nothing to join with.
+                    cluster.publish();
+                    continue;
+                };
+                let others: Vec<Member> = found.iter().filter(|m| m.id != me.id).cloned().collect();
+                let listed = others.len() < found.len();
+                // Candidates that left the records are forgotten with their health
+                // and their clients (pods come back under new addresses).
+                health.retain(|id, _| others.iter().any(|m| m.id == *id));
+                let ring = cluster.ring();
+                cluster.forget_peers_except(others.iter().chain(ring.members()));
+                cluster.set_candidates(others.iter().map(|m| m.id.clone()).collect());
+                (others, listed)
+            }
+        };
         // Every peer at once, each within the interval (at least 200 ms: a check
         // that is merely slow under load is not a failure).
         let timeout = cfg.health_interval.max(Duration::from_millis(200));
@@ -122,7 +244,7 @@ async fn run_static(
             }
         }
         let mut members = Vec::new();
-        if !cluster.draining() {
+        if !cluster.draining() && listed {
             members.push(me.clone());
         }
         for (m, ok) in others.iter().zip(results) {
@@ -158,7 +280,14 @@ async fn run_static(
             // Not every peer is known yet: do not join with a partial view.
             continue;
         }
-        cluster.refreshed();
+        if !listed && !cluster.joined() {
+            // The records do not list this node yet: the others could not see it.
+            cluster.publish();
+            continue;
+        }
+        if matches!(candidates, Candidates::Fixed(_)) {
+            cluster.refreshed();
+        }
         let ring = cluster.ring();
         let mut ids: Vec<&str> = members.iter().map(|m| &*m.id).collect();
         ids.sort_unstable();

@@ -25,6 +25,7 @@
 //! With the Redis store the counters are shared, so there is nothing to hand off and
 //! nothing to fence: ownership only routes.
 
+pub(crate) mod dns;
 mod handoff;
 pub mod membership;
 pub mod peers;
@@ -122,6 +123,8 @@ pub struct Cluster {
     handoffs: Mutex<HashMap<Arc<str>, Nanos>>,
     /// Nodes that handed everything off because they are leaving, and when.
     left: Mutex<HashMap<Arc<str>, Nanos>>,
+    /// Nodes the membership source lists that may not be in the ring yet (DNS).
+    candidates: Mutex<Vec<Arc<str>>>,
     draining: AtomicBool,
     joined: AtomicBool,
     /// When the membership source last answered (for the view-age gauge).
@@ -203,6 +206,7 @@ impl Cluster {
             transitions: Mutex::default(),
             handoffs: Mutex::default(),
             left: Mutex::default(),
+            candidates: Mutex::default(),
             draining: AtomicBool::new(false),
             joined: AtomicBool::new(single),
             refreshed: Mutex::new(clock.now()),
@@ -274,6 +278,19 @@ impl Cluster {
     /// A malformed address.
     pub fn peer(&self, member: &Member) -> Result<Peer, tonic::Status> {
         self.peers.get(&member.address)
+    }
+
+    /// Records the nodes the membership source lists (DNS), so that their handoffs are
+    /// accepted while their health is still being checked.
+    pub(crate) fn set_candidates(&self, ids: Vec<Arc<str>>) {
+        *self.candidates.lock() = ids;
+    }
+
+    /// Drops the clients of every node but `keep` (members that came and went under
+    /// addresses that will not come back).
+    pub(crate) fn forget_peers_except<'a>(&self, keep: impl Iterator<Item = &'a Member>) {
+        let keep: Vec<&str> = keep.map(|m| &*m.address).collect();
+        self.peers.retain(|address| keep.contains(&address));
     }
 
     /// Whether this node has joined the ring (its first view is in).

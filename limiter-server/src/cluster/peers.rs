@@ -274,4 +274,9 @@ impl Peers {
         map.insert(address.into(), p.clone());
         Ok(p)
     }
+
+    /// Keeps the clients of the addresses `keep` says yes to.
+    pub(crate) fn retain(&self, keep: impl Fn(&str) -> bool) {
+        self.by_address.lock().retain(|a, _| keep(a));
+    }
 }

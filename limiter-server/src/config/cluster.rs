@@ -22,6 +22,10 @@ pub(super) struct RawCluster {
     pub(super) registry_key: String,
     pub(super) registry_ttl_ms: i64,
     pub(super) registry_poll_ms: i64,
+    pub(super) dns_name: String,
+    pub(super) dns_server: String,
+    pub(super) dns_interval_ms: i64,
+    pub(super) dns_timeout_ms: i64,
     pub(super) forward_timeout_ms: i64,
     pub(super) handoff_timeout_ms: i64,
     pub(super) fence_ms: i64,
@@ -50,6 +54,22 @@ pub enum Membership {
         ttl: Duration,
         /// How often a node renews its entry and reads the ring.
         poll: Duration,
+    },
+    /// The A and AAAA records of a name (`dns`): a Kubernetes headless Service lists
+    /// every pod's address there. Every address found, at this node's own gRPC port,
+    /// is a candidate, health-checked as static peers are; ids are the addresses.
+    Dns {
+        /// The name (absolute with a trailing dot, or relative to resolv.conf's
+        /// search list).
+        name: String,
+        /// The nameserver asked (default: the first of `/etc/resolv.conf`).
+        server: Option<std::net::SocketAddr>,
+        /// The members' gRPC port (this node's advertised port).
+        port: u16,
+        /// How often the name is looked up (longer when its records' TTL is).
+        interval: Duration,
+        /// Deadline of one query.
+        timeout: Duration,
     },
 }
 
@@ -103,6 +123,76 @@ pub struct ClusterConfig {
     pub replication_queue: usize,
     /// Deadline of one replication message.
     pub replication_timeout: Duration,
+}
+
+/// The `dns` membership's settings, with what is wrong in them.
+fn dns_membership(
+    errors: &mut Vec<String>,
+    c: &RawCluster,
+    advertise: &str,
+    node_id: &str,
+) -> Membership {
+    let name = c.dns_name.trim().to_owned();
+    let valid_name = !name.is_empty()
+        && name.len() <= 254
+        && name.trim_end_matches('.').split('.').all(|l| {
+            (1..=63).contains(&l.len())
+                && l.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_')
+        });
+    if !valid_name {
+        errors.push(format!(
+            "cluster.dns_name: expected a DNS name (a headless Service, like \
+             `limiter-headless.default.svc.cluster.local.`), found `{}`",
+            c.dns_name.chars().take(80).collect::<String>()
+        ));
+    }
+    let server = if c.dns_server.is_empty() {
+        None
+    } else {
+        let parsed =
+            c.dns_server.parse::<std::net::SocketAddr>().ok().or_else(|| {
+                c.dns_server.parse::<std::net::IpAddr>().ok().map(|ip| (ip, 53).into())
+            });
+        if parsed.is_none() {
+            errors.push(format!(
+                "cluster.dns_server: expected an IP address with an optional port, found `{}`",
+                c.dns_server.chars().take(80).collect::<String>()
+            ));
+        }
+        parsed
+    };
+    // Peers find each other by address, so this node's id is its address.
+    let port = match advertise.parse::<std::net::SocketAddr>() {
+        Ok(a) => a.port(),
+        Err(_) => {
+            errors.push(format!(
+                "cluster.advertise: dns membership needs this node's address as `ip:port` \
+                 (the pod IP, as its Service's records give it), found `{advertise}`"
+            ));
+            0
+        }
+    };
+    if !c.node_id.is_empty() && node_id != advertise {
+        errors.push(
+            "cluster.node_id: with dns membership a node's id is its advertised address; leave it empty"
+                .to_owned(),
+        );
+    }
+    if c.weight != 1 {
+        errors.push(
+            "cluster.weight: with dns membership every node weighs 1 (records carry no weight)"
+                .to_owned(),
+        );
+    }
+    let interval = millis(errors, "cluster.dns_interval_ms", c.dns_interval_ms, false);
+    if interval > Duration::from_secs(5) {
+        errors.push(format!(
+            "cluster.dns_interval_ms: at most 5000 (a removed pod must leave the ring within seconds), found {}",
+            interval.as_millis()
+        ));
+    }
+    let timeout = millis(errors, "cluster.dns_timeout_ms", c.dns_timeout_ms, false);
+    Membership::Dns { name, server, port, interval, timeout }
 }
 
 /// Parses `id=host:port[*weight],...`.
@@ -173,12 +263,18 @@ pub(super) fn cluster_config(
                 poll,
             }
         }
+        "dns" => dns_membership(errors, c, &advertise, &node_id),
         other => {
             errors.push(format!(
-                "cluster.membership: expected `none`, `static` or `redis`, found `{other}`"
+                "cluster.membership: expected `none`, `static`, `redis` or `dns`, found `{other}`"
             ));
             Membership::Single
         }
+    };
+    // DNS ids are addresses: this node's must be written as every other node derives it.
+    let (advertise, node_id) = match (&membership, advertise.parse::<std::net::SocketAddr>()) {
+        (Membership::Dns { .. }, Ok(a)) => (a.to_string(), a.to_string()),
+        _ => (advertise, node_id),
     };
     let count = |errors: &mut Vec<String>, name: &str, v: i64| {
         u32::try_from(positive(errors, name, v, 1_000)).unwrap_or(1)

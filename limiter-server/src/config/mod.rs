@@ -171,6 +171,10 @@ cluster:
   registry_key: "limiter:members"
   registry_ttl_ms: 3000
   registry_poll_ms: 250
+  dns_name: ""
+  dns_server: ""
+  dns_interval_ms: 2000
+  dns_timeout_ms: 1000
   forward_timeout_ms: 1000
   handoff_timeout_ms: 2000
   fence_ms: 0

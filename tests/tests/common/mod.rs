@@ -30,6 +30,12 @@ impl Node {
         Self { id: id.to_owned(), grpc: free_addr(), admin: free_addr() }
     }
 
+    /// A node whose gRPC port is at `grpc` (nodes found through DNS share one port
+    /// on addresses of their own).
+    pub(crate) fn at(grpc: SocketAddr) -> Self {
+        Self { id: grpc.to_string(), grpc, admin: free_addr() }
+    }
+
     /// `cluster.peers` naming every node.
     pub(crate) fn static_peers(nodes: &[Node]) -> String {
         nodes.iter().map(|n| format!("{}={}", n.id, n.grpc)).collect::<Vec<_>>().join(",")

@@ -120,7 +120,64 @@ async fn the_status_page_shows_reasons_routes_and_top_tenants_in_a_browser() {
     let routes = table("by-route");
     assert!(routes.contains("<td>/search</td><td class=\"n\">"), "{routes}");
     assert!(routes.contains("<td>other</td>"), "{routes}");
-    assert!(table("top-tenants").contains("<td>acme</td>"));
+    // The two top lists are two tables, each row one tenant.
+    assert!(table("top-tenants-rejected").contains("<td>acme</td><td class=\"n\">"));
+    assert!(table("top-tenants-admitted").contains("<td>acme</td><td class=\"n\">"));
+    assert!(table("top-keys-rejected").contains("<th>key</th>"));
+    // Server: build version, uptime, store keys against their cap, evictions, invalid.
+    let cell = |id: &str| {
+        let start = dom.find(&format!("id=\"{id}\"")).unwrap_or_else(|| panic!("no #{id}"));
+        let rest = &dom[start..];
+        let open = rest.find('>').unwrap() + 1;
+        rest[open..open + rest[open..].find("</td>").unwrap()].to_owned()
+    };
+    assert_eq!(cell("version"), env!("CARGO_PKG_VERSION"));
+    let uptime = cell("uptime");
+    assert!(uptime.contains(" s (since ") && uptime.contains(" UTC)"), "{uptime}");
+    let keys = cell("store-keys");
+    assert!(keys.contains(" of 1000000 ("), "{keys}");
+    assert!(!keys.starts_with("0 "), "the traffic's counters are counted: {keys}");
+    assert_eq!(cell("evictions"), "0 / 0");
+    let invalid: u64 = cell("invalid-total").parse().unwrap();
+    assert!(invalid >= 1, "the zero-cost request is an invalid request");
+    assert!(table("invalid-by-field").contains("<td>cost</td>"), "{}", table("invalid-by-field"));
+    // Latency percentiles of the last minute, with units.
+    let latency = table("latency");
+    for p in ["p50", "p90", "p99", "p99.9"] {
+        assert!(latency.contains(&format!("<td>{p}</td><td>")), "{p} missing: {latency}");
+    }
+    assert!(latency.contains(" µs</td>") || latency.contains(" ms</td>"), "{latency}");
+    // Charts: a value axis with units, a time axis, a legend with current values.
+    let canvas = |id: &str, attr: &str| {
+        let start = dom.find(&format!("id=\"{id}\"")).unwrap_or_else(|| panic!("no canvas #{id}"));
+        let tag = &dom[start..start + dom[start..].find('>').unwrap()];
+        let at =
+            tag.find(&format!("{attr}=\"")).unwrap_or_else(|| panic!("#{id} has no {attr}: {tag}"));
+        let v = &tag[at + attr.len() + 2..];
+        v[..v.find('"').unwrap()].to_owned()
+    };
+    for (id, unit) in [("rate", "/s"), ("reasons", "/s"), ("invalid", "/s"), ("latency-chart", "s")]
+    {
+        let y = canvas(id, "data-yticks");
+        assert!(
+            y.split(" | ").count() >= 2 && y.split(" | ").all(|t| t.ends_with(unit)),
+            "#{id}: {y}"
+        );
+        let x = canvas(id, "data-xticks");
+        assert!(x.split(" | ").all(|t| t.len() == 8 && t.as_bytes()[2] == b':'), "#{id}: {x}");
+        assert!(canvas(id, "data-points").parse::<u32>().unwrap() >= 1, "#{id} drew no samples");
+    }
+    let legend = |id: &str| {
+        let start = dom.find(&format!("id=\"{id}-legend\"")).unwrap();
+        dom[start..start + dom[start..].find("</div>").unwrap()].to_owned()
+    };
+    let rate = legend("rate");
+    for series in ["allowed", "rejected", "shadow rejected"] {
+        assert!(rate.contains(&format!("data-series=\"{series}\"")), "{rate}");
+    }
+    assert!(rate.contains("/s</b>"), "current values with units: {rate}");
+    assert!(legend("reasons").contains("TENANT_LIMIT <b>"), "{}", legend("reasons"));
+    assert!(legend("latency-chart").contains("p99 <b>"), "{}", legend("latency-chart"));
     // Replication and counters begun afresh (none on a node alone).
     let leases = table("leases");
     assert!(leases.contains("<td>replication</td><td>off</td>"), "{leases}");

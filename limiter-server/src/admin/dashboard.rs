@@ -5,10 +5,16 @@
 //!
 //! ```text
 //! { "now": unix seconds, "ready": bool,
+//!   "server": { "version", "started_at", "uptime_seconds" },
+//!   "latency": { "window_seconds", "count", "p50", "p90", "p99", "p999" } (seconds, null
+//!     without decisions in the window),
+//!   "invalid": { "total", "by_field": { field: calls } },
+//!   "store": { "keys", "max_keys", "evicted_idle", "evicted_live" },
 //!   "policy": { "version", "loaded_at", "reloads_ok", "reloads_failed", "last_error" },
 //!   "totals": { "allowed", "rejected", "shadow_rejected" },
 //!   "by_reason": { REASON: rejections }, "by_route": { route: rejections },
-//!   "history": [ { "t", "allowed", "rejected", "shadow_rejected", "by_reason": {..} } ],
+//!   "history": [ { "t", "allowed", "rejected", "shadow_rejected", "invalid", "p50", "p99",
+//!     "by_reason": {..} } ],
 //!   "routes": [ { "name", "on_limiter_failure", "shadow", "lease" } ],
 //!   "leases": { "outstanding", "open", "granted", "returned", "spent", "written_off" },
 //!   "ring": { "epoch", "members" },
@@ -35,8 +41,79 @@ use crate::owner::heavy::Hitter;
 /// Seconds of history kept.
 const HISTORY: usize = 600;
 
+/// The window the page's latency percentiles are taken over, in samples (seconds).
+const LATENCY_WINDOW: usize = 60;
+
+/// The samples of metric `name` in Prometheus text: (labels, value).
+fn series<'a>(text: &'a str, name: &'a str) -> impl Iterator<Item = (&'a str, f64)> + 'a {
+    text.lines()
+        .filter(move |l| l.starts_with(name) && l[name.len()..].starts_with(['{', ' ']))
+        .filter_map(|l| {
+            let (labels, v) = l.rsplit_once(' ')?;
+            Some((labels, v.trim().parse::<f64>().ok()?))
+        })
+}
+
+/// The value of label `name` in a sample's `{..}` part.
+fn label<'a>(labels: &'a str, name: &str) -> Option<&'a str> {
+    labels.split(&format!("{name}=\"")).nth(1)?.split('"').next()
+}
+
+/// A counter's value as a whole number.
+#[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)] // counter values
+fn whole(v: f64) -> u64 {
+    v as u64
+}
+
+/// The decision-latency histogram: cumulative counts by upper bound (seconds),
+/// summed over the APIs, ascending, `+Inf` last.
+fn latency_buckets(text: &str) -> Vec<(f64, u64)> {
+    let name = format!("{}_bucket", m::DECISION_SECONDS);
+    let mut by_bound: BTreeMap<u64, (f64, u64)> = BTreeMap::new();
+    for (labels, v) in series(text, &name) {
+        let Some(le) = label(labels, "le") else { continue };
+        let bound = if le == "+Inf" { f64::INFINITY } else { le.parse().unwrap_or(f64::INFINITY) };
+        // Bounds are positive, so their bit patterns order as they do.
+        let e = by_bound.entry(bound.to_bits()).or_insert((bound, 0));
+        e.1 += whole(v);
+    }
+    by_bound.into_values().collect()
+}
+
+/// The `q` quantile of the decisions between two readings of the histogram,
+/// interpolated within its bucket as Prometheus's `histogram_quantile` does; `None`
+/// without decisions in between.
+#[allow(clippy::cast_precision_loss)] // counts far below 2^52
+fn quantile(before: &[(f64, u64)], after: &[(f64, u64)], q: f64) -> Option<f64> {
+    let delta: Vec<(f64, u64)> = after
+        .iter()
+        .map(|(b, n)| {
+            let was = before.iter().find(|(x, _)| x == b).map_or(0, |(_, c)| *c);
+            (*b, n.saturating_sub(was))
+        })
+        .collect();
+    let total = delta.last()?.1;
+    if total == 0 {
+        return None;
+    }
+    let rank = q * total as f64;
+    let mut lower = (0.0, 0u64);
+    for (bound, cum) in &delta {
+        if *cum as f64 >= rank {
+            if bound.is_infinite() {
+                return Some(lower.0); // beyond the last bound: its value, as Prometheus
+            }
+            let inside = (*cum - lower.1) as f64;
+            let frac = if inside > 0.0 { (rank - lower.1 as f64) / inside } else { 1.0 };
+            return Some(lower.0 + (bound - lower.0) * frac.clamp(0.0, 1.0));
+        }
+        lower = (*bound, *cum);
+    }
+    None
+}
+
 /// Decision totals at one instant, from the exported counters.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Default, PartialEq)]
 pub(crate) struct Totals {
     /// Allowed.
     pub allowed: u64,
@@ -48,7 +125,13 @@ pub(crate) struct Totals {
     pub by_reason: BTreeMap<String, u64>,
     /// Rejections (enforced and shadow) by route label.
     pub by_route: BTreeMap<String, u64>,
+    /// Calls refused as invalid, by field.
+    pub invalid: BTreeMap<String, u64>,
+    /// The latency histogram (see [`latency_buckets`]).
+    pub latency: Vec<(f64, u64)>,
 }
+
+impl Eq for Totals {}
 
 /// Reads `limiter_decisions_total` series out of the Prometheus text format.
 pub(crate) fn totals(text: &str) -> Totals {
@@ -80,6 +163,11 @@ pub(crate) fn totals(text: &str) -> Totals {
             }
         }
     }
+    for (labels, v) in series(text, m::INVALID_REQUESTS) {
+        let field = self::label(labels, "field").unwrap_or("other").to_owned();
+        *t.invalid.entry(field).or_default() += whole(v);
+    }
+    t.latency = latency_buckets(text);
     t
 }
 
@@ -87,15 +175,28 @@ pub(crate) fn totals(text: &str) -> Totals {
 #[derive(Debug, Default)]
 pub(crate) struct History {
     samples: Mutex<VecDeque<(u64, Totals)>>,
+    /// When the server started (Unix seconds): the first sample's time.
+    started_at: std::sync::atomic::AtomicU64,
 }
 
 impl History {
+    /// When the server started serving (Unix seconds; 0 before the first sample).
+    fn started_at(&self) -> u64 {
+        self.started_at.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
     /// Takes one sample at `now` (Unix seconds).
     pub(crate) fn sample(&self, now: u64) {
         let handle = m::handle();
         handle.run_upkeep();
         let text = handle.render();
         let t = totals(&text);
+        let _ = self.started_at.compare_exchange(
+            0,
+            now,
+            std::sync::atomic::Ordering::Relaxed,
+            std::sync::atomic::Ordering::Relaxed,
+        );
         let mut s = self.samples.lock();
         s.push_back((now, t));
         while s.len() > HISTORY + 1 {
@@ -113,15 +214,37 @@ impl History {
                     .iter()
                     .map(|(k, v)| (k, v.saturating_sub(*a.by_reason.get(k).unwrap_or(&0))))
                     .collect();
+                let invalid = |x: &Totals| x.invalid.values().sum::<u64>();
                 json!({
                     "t": t,
                     "allowed": b.allowed.saturating_sub(a.allowed),
                     "rejected": b.rejected.saturating_sub(a.rejected),
                     "shadow_rejected": b.shadow_rejected.saturating_sub(a.shadow_rejected),
+                    "invalid": invalid(b).saturating_sub(invalid(a)),
+                    "p50": quantile(&a.latency, &b.latency, 0.5),
+                    "p99": quantile(&a.latency, &b.latency, 0.99),
                     "by_reason": by_reason,
                 })
             })
             .collect()
+    }
+
+    /// Latency percentiles over the last [`LATENCY_WINDOW`] seconds, up to `now`'s
+    /// histogram.
+    fn latency(&self, now: &[(f64, u64)]) -> Value {
+        let s = self.samples.lock();
+        let before =
+            s.iter().rev().nth(LATENCY_WINDOW).or(s.front()).map(|(_, t)| t.latency.clone());
+        let before = before.unwrap_or_default();
+        let count = now.last().map_or(0, |l| l.1).saturating_sub(before.last().map_or(0, |l| l.1));
+        json!({
+            "window_seconds": LATENCY_WINDOW,
+            "count": count,
+            "p50": quantile(&before, now, 0.5),
+            "p90": quantile(&before, now, 0.9),
+            "p99": quantile(&before, now, 0.99),
+            "p999": quantile(&before, now, 0.999),
+        })
     }
 }
 
@@ -131,6 +254,7 @@ fn hitters(v: &[Hitter]) -> Value {
 
 /// The dashboard's data.
 pub(crate) fn data(owner: &Owner, history: &History, members: &[String]) -> Value {
+    owner.sweep_stats();
     let handle = m::handle();
     handle.run_upkeep();
     let text = handle.render();
@@ -160,9 +284,32 @@ pub(crate) fn data(owner: &Owner, history: &History, members: &[String]) -> Valu
     routes.sort_by(|a, b| a["name"].as_str().cmp(&b["name"].as_str()));
     let (tr, ta) = owner.heavy().tenants(10);
     let (kr, ka) = owner.heavy().keys(10);
+    let now = owner.clock().now() / NANOS_PER_SEC;
+    let gauge = |name: &str| series(&text, name).map(|(_, v)| v).sum::<f64>();
+    let evicted = |kind: &str| {
+        whole(
+            series(&text, m::STORE_EVICTIONS)
+                .filter(|(l, _)| label(l, "kind") == Some(kind))
+                .map(|(_, v)| v)
+                .sum(),
+        )
+    };
     json!({
-        "now": owner.clock().now() / NANOS_PER_SEC,
+        "now": now,
         "ready": owner.is_ready(),
+        "server": {
+            "version": env!("CARGO_PKG_VERSION"),
+            "started_at": history.started_at(),
+            "uptime_seconds": now.saturating_sub(history.started_at()),
+        },
+        "latency": history.latency(&t.latency),
+        "invalid": { "total": t.invalid.values().sum::<u64>(), "by_field": t.invalid },
+        "store": {
+            "keys": whole(gauge(m::STORE_KEYS)),
+            "max_keys": whole(gauge(m::STORE_MAX_KEYS)),
+            "evicted_idle": evicted("idle"),
+            "evicted_live": evicted("live"),
+        },
         "policy": {
             "version": active.version,
             "loaded_at": active.loaded_at / NANOS_PER_SEC,
@@ -205,21 +352,10 @@ fn ring(owner: &Owner, alone: &[String]) -> Value {
 /// nodes, the worst replica lag and the changes queued (from the exported gauges),
 /// and the counters begun afresh by reason.
 fn replication(owner: &Owner, text: &str) -> Value {
-    let series = |name: &'static str| {
-        text.lines()
-            .filter(move |l| l.starts_with(name) && l[name.len()..].starts_with(['{', ' ']))
-            .filter_map(|l| {
-                let (labels, v) = l.rsplit_once(' ')?;
-                Some((labels, v.parse::<f64>().ok()?))
-            })
-    };
-    let lag = series(m::REPLICATION_LAG).map(|(_, v)| v).fold(0.0, f64::max);
-    let queued: f64 = series(m::REPLICATION_QUEUE).map(|(_, v)| v).sum();
-    let resets: BTreeMap<&str, f64> = series(m::STATE_RESETS)
-        .filter_map(|(labels, v)| {
-            let reason = labels.split("reason=\"").nth(1)?.split('"').next()?;
-            Some((reason, v))
-        })
+    let lag = series(text, m::REPLICATION_LAG).map(|(_, v)| v).fold(0.0, f64::max);
+    let queued: f64 = series(text, m::REPLICATION_QUEUE).map(|(_, v)| v).sum();
+    let resets: BTreeMap<&str, f64> = series(text, m::STATE_RESETS)
+        .filter_map(|(labels, v)| Some((label(labels, "reason")?, v)))
         .collect();
     let cluster = owner.cluster().filter(|c| !c.is_single());
     json!({
@@ -265,5 +401,34 @@ limiter_decision_duration_seconds_count{api="native"} 8
         assert_eq!((t.allowed, t.rejected, t.shadow_rejected), (5, 2, 1));
         assert_eq!(t.by_reason["TENANT_LIMIT"], 2);
         assert_eq!(t.by_route["other"], 1);
+    }
+
+    #[test]
+    fn percentiles_come_from_the_histogram_between_two_readings() {
+        let read = |counts: [u64; 4]| {
+            let text: String = ["0.00001", "0.0001", "0.001", "+Inf"]
+                .iter()
+                .zip(counts)
+                .map(|(le, n)| {
+                    format!("limiter_decision_duration_seconds_bucket{{api=\"native\",le=\"{le}\"}} {n}\n")
+                })
+                .collect();
+            latency_buckets(&text)
+        };
+        let before = read([10, 10, 10, 10]);
+        // 100 more: 50 under 10 µs, 40 from 10 to 100 µs, 10 from 100 µs to 1 ms.
+        let after = read([60, 100, 110, 110]);
+        let close = |a: Option<f64>, b: f64| a.is_some_and(|a| (a - b).abs() < 1e-12);
+        assert!(
+            close(quantile(&before, &after, 0.5), 0.00001),
+            "{:?}",
+            quantile(&before, &after, 0.5)
+        );
+        assert!(close(quantile(&before, &after, 0.7), 0.00001 + 0.00009 * 0.5));
+        assert!(close(quantile(&before, &after, 0.99), 0.0001 + 0.0009 * 0.9));
+        assert_eq!(quantile(&after, &after, 0.5), None, "no decisions in between");
+        // Beyond the last finite bound: that bound.
+        let slow = read([60, 100, 110, 210]);
+        assert!(close(quantile(&after, &slow, 0.99), 0.001));
     }
 }

@@ -27,14 +27,6 @@ fn bad_config(msg: impl std::fmt::Display) -> ExitCode {
 
 /// Runs the command line in `std::env::args`; returns the process's exit status.
 pub fn main() -> ExitCode {
-    tracing_subscriber::fmt()
-        .with_writer(std::io::stderr)
-        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
-        )
-        .init();
     let args: Vec<String> = std::env::args().skip(1).collect();
     match args.first().map(String::as_str) {
         Some("check-config") => match args.get(1) {
@@ -50,6 +42,7 @@ pub fn main() -> ExitCode {
 }
 
 fn check_config(file: &str) -> ExitCode {
+    crate::trace::init_logs();
     // The same size limit as the server's (its setting, from the environment).
     let max = std::env::var("LIMITER__LIMITS__MAX_POLICY_BYTES")
         .ok()
@@ -97,14 +90,18 @@ fn serve(args: &[String]) -> ExitCode {
         }
     };
     // Stores start their connection tasks as they are built (Redis): inside the runtime.
-    let server = {
-        let _runtime = runtime.enter();
-        match Server::new(config.clone()) {
-            Ok(s) => s,
-            Err(e) => return bad_config(e),
-        }
+    // Logs and traces before anything logs; the exporter's client runs on the runtime.
+    let entered = runtime.enter();
+    let traces = match crate::trace::init(&config.tracing, &config.cluster.node_id) {
+        Ok(g) => g,
+        Err(e) => return bad_config(e),
     };
-    runtime.block_on(async move {
+    let server = match Server::new(config.clone()) {
+        Ok(s) => s,
+        Err(e) => return bad_config(e),
+    };
+    drop(entered);
+    let code = runtime.block_on(async move {
         let bind = |addr| async move { tokio::net::TcpListener::bind(addr).await };
         let listeners = match (bind(config.listen).await, bind(config.admin_listen).await) {
             (Ok(grpc), Ok(admin)) => Listeners { grpc, admin },
@@ -115,7 +112,13 @@ fn serve(args: &[String]) -> ExitCode {
             Ok(()) => ExitCode::SUCCESS,
             Err(e) => fail(&e.to_string()),
         }
-    })
+    });
+    // Spans still queued are sent while the runtime (the exporter's client) lives.
+    {
+        let _runtime = runtime.enter();
+        drop(traces);
+    }
+    code
 }
 
 fn fail(msg: &str) -> ExitCode {

@@ -22,6 +22,7 @@ pub mod metrics;
 pub mod owner;
 pub(crate) mod security;
 pub mod store;
+pub mod trace;
 
 use std::future::Future;
 use std::sync::Arc;
@@ -316,6 +317,7 @@ impl Server {
             .accept_http1(true)
             .layer(listener::ActivityLayer)
             .layer(security::guard::GuardLayer(security.grpc_guard.clone()))
+            .layer(trace::Traced)
             .add_service(health_service)
             .add_service(reflection_v1)
             .add_service(reflection_alpha)

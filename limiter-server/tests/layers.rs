@@ -17,7 +17,7 @@ const LAYERS: &[(&str, &[&str])] = &[
 ];
 
 /// Files of the ground layer (everything may use them).
-const GROUND: &[&str] = &["error", "metrics", "convert", "listener"];
+const GROUND: &[&str] = &["error", "metrics", "convert", "listener", "trace"];
 
 /// The top: wiring, free to use everything.
 const TOP: &[&str] = &["lib", "cli", "main"];

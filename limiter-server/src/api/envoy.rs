@@ -31,6 +31,7 @@ use limiter_proto::envoy::service::ratelimit::v3 as rls;
 use limiter_proto::envoy::r#type::v3::RateLimitUnit as EnvoyUnit;
 use rls::rate_limit_response::{Code, DescriptorStatus, RateLimit, rate_limit::Unit};
 use rls::rate_limit_service_server::RateLimitService;
+use tracing::Instrument as _;
 use tonic::{Response, Status};
 
 use crate::config::{DescriptorLimits, EnvoyMapping, TenantFrom};
@@ -507,33 +508,44 @@ impl RateLimitService for EnvoyService {
                 dry_run: m.dry_run,
             })
             .collect();
-        // One HTTP request: all its descriptors are decided together, by the owner of
-        // the first one's tenant (with `tenant_from: domain`, the only tenant).
-        let mut unreachable = false;
-        // Not empty: checked above.
-        let first_tenant = core.first().map_or("", |r| r.tenant);
-        if let Some(cluster) = self.owner.cluster() {
-            match crate::api::routing::target(cluster, first_tenant, hop).await {
-                Some(Err(owner)) => return Err(crate::cluster::peers::moved(&owner.address)),
-                Some(Ok(owner)) => {
-                    let call = |peer: crate::cluster::peers::Peer, hop| {
-                        let req = req.clone();
-                        async move { peer.should_rate_limit(req, hop).await }
-                    };
-                    match crate::api::routing::forward_once(cluster, &owner, first_tenant, call)
-                        .await
-                    {
-                        Ok(Some(answer)) => return Ok(Response::new(answer)),
-                        Ok(None) => {}
-                        // No owner answered: the routes' failure policies decide here.
-                        Err(_) => unreachable = true,
+        let span = crate::trace::span!(
+            "decide",
+            api = "envoy",
+            tenant = %core.first().map_or("", |r| r.tenant),
+            route = %core.first().map_or("", |r| r.route),
+            descriptors = core.len(),
+        );
+        async {
+            // One HTTP request: all its descriptors are decided together, by the owner of
+            // the first one's tenant (with `tenant_from: domain`, the only tenant).
+            let mut unreachable = false;
+            // Not empty: checked above.
+            let first_tenant = core.first().map_or("", |r| r.tenant);
+            if let Some(cluster) = self.owner.cluster() {
+                match crate::api::routing::target(cluster, first_tenant, hop).await {
+                    Some(Err(owner)) => return Err(crate::cluster::peers::moved(&owner.address)),
+                    Some(Ok(owner)) => {
+                        let call = |peer: crate::cluster::peers::Peer, hop| {
+                            let req = req.clone();
+                            async move { peer.should_rate_limit(req, hop).await }
+                        };
+                        match crate::api::routing::forward_once(cluster, &owner, first_tenant, call)
+                            .await
+                        {
+                            Ok(Some(answer)) => return Ok(Response::new(answer)),
+                            Ok(None) => {}
+                            // No owner answered: the routes' failure policies decide here.
+                            Err(_) => unreachable = true,
+                        }
                     }
+                    None => {}
                 }
-                None => {}
             }
+            let rules = self.override_rules(&mapped);
+            self.decide(&core, &extras(&rules), unreachable).await.map(Response::new)
         }
-        let rules = self.override_rules(&mapped);
-        self.decide(&core, &extras(&rules), unreachable).await.map(Response::new)
+        .instrument(span)
+        .await
     }
 }
 

@@ -5,6 +5,7 @@ use std::sync::Arc;
 use limiter_proto::limiter::v1 as pb;
 use pb::rate_limiter_server::RateLimiter;
 use tonic::{Request, Response, Status};
+use tracing::Instrument as _;
 
 use crate::api::routing;
 use crate::cluster::peers::{Peer, checked_hop, moved};
@@ -43,7 +44,15 @@ impl RateLimiter for NativeService {
     ) -> Result<Response<pb::ShouldAllowResponse>, Status> {
         let hop = self.hop(&request)?;
         let req = request.into_inner();
+        let span = crate::trace::span!(
+            "decide",
+            api = "native",
+            tenant = %req.tenant,
+            route = %req.route,
+            cost = req.cost.unwrap_or(0),
+        );
         let mut answers = routing::should_allow(&self.owner, std::slice::from_ref(&req), hop)
+            .instrument(span)
             .await
             .map_err(|(_, e)| refuse(e))?;
         Ok(Response::new(answers.pop().unwrap_or_default()))
@@ -69,7 +78,16 @@ impl RateLimiter for NativeService {
                 "at least one request is required",
             )));
         }
+        let first = batch.requests.first();
+        let span = crate::trace::span!(
+            "decide",
+            api = "native",
+            tenant = %first.map_or("", |r| r.tenant.as_str()),
+            route = %first.map_or("", |r| r.route.as_str()),
+            requests = batch.requests.len(),
+        );
         let responses = routing::should_allow(&self.owner, &batch.requests, hop)
+            .instrument(span)
             .await
             .map_err(|(i, e)| element_status(Api::Native, "requests", i, e))?;
         Ok(Response::new(pb::ShouldAllowBatchResponse { responses }))
@@ -128,7 +146,15 @@ impl RateLimiter for NativeService {
         if r.agent_id.is_empty() {
             return Err(refuse(ServerError::invalid("agent_id", "must not be empty")));
         }
+        let span = crate::trace::span!(
+            "lease",
+            agent = %r.agent_id,
+            tenant = %r.items.first().map_or("", |i| i.tenant.as_str()),
+            route = %r.items.first().map_or("", |i| i.route.as_str()),
+            items = r.items.len(),
+        );
         let grants = routing::lease(&self.owner, &r, hop)
+            .instrument(span)
             .await
             .map_err(|(i, e)| element_status(Api::Lease, "items", i, e))?;
         Ok(Response::new(pb::LeaseResponse { grants }))

@@ -117,6 +117,13 @@ enum Candidates {
     Dns(Box<DnsCandidates>),
 }
 
+/// How long after a lookup the next one is made: the interval, or the records' TTL
+/// when that is longer (an answer is good until then), at most [`MAX_TTL_WAIT`]; a
+/// failed or empty answer is tried again after the interval.
+fn next_lookup(interval: Duration, ttl: Option<Duration>) -> Duration {
+    ttl.map_or(interval, |t| interval.max(t.min(MAX_TTL_WAIT)))
+}
+
 struct DnsCandidates {
     resolver: Resolver,
     name: String,
@@ -138,11 +145,11 @@ impl DnsCandidates {
             return false;
         }
         let answer = self.resolver.lookup(&self.name).await;
-        let wait = match &answer {
-            Ok(a) if !a.addresses.is_empty() => self.interval.max(a.ttl.min(MAX_TTL_WAIT)),
-            _ => self.interval,
+        let ttl = match &answer {
+            Ok(a) if !a.addresses.is_empty() => Some(a.ttl),
+            _ => None,
         };
-        self.next = now + wait;
+        self.next = now + next_lookup(self.interval, ttl);
         match answer {
             Ok(a) if !a.addresses.is_empty() => {
                 let mut members: Vec<Member> = a
@@ -417,6 +424,15 @@ async fn run_registry(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn lookups_wait_for_the_interval_or_a_longer_ttl() {
+        let s = Duration::from_secs;
+        assert_eq!(next_lookup(s(2), Some(s(0))), s(2));
+        assert_eq!(next_lookup(s(2), Some(s(5))), s(5));
+        assert_eq!(next_lookup(s(2), Some(s(3600))), MAX_TTL_WAIT);
+        assert_eq!(next_lookup(s(2), None), s(2), "a failure is retried after the interval");
+    }
 
     #[test]
     fn registry_replies_parse_into_a_ring() {

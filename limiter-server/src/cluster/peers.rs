@@ -13,6 +13,7 @@ use limiter_proto::limiter::v1::rate_limiter_client::RateLimiterClient;
 use parking_lot::Mutex;
 use tokio::sync::{mpsc, oneshot};
 use tonic::{Request, Status};
+use tracing::Instrument as _;
 
 pub use crate::convert::{FORWARDED, OWNER};
 
@@ -27,6 +28,7 @@ type Waiting = (pb::ShouldAllowRequest, oneshot::Sender<Result<pb::ShouldAllowRe
 /// One other node.
 #[derive(Debug, Clone)]
 pub struct Peer {
+    address: Arc<str>,
     native: RateLimiterClient<AuthChannel>,
     envoy: RateLimitServiceClient<AuthChannel>,
     queue: mpsc::Sender<Waiting>,
@@ -57,7 +59,14 @@ fn with_hop<T>(message: T, hop: u8, timeout: Duration) -> Request<T> {
     let mut r = Request::new(message);
     r.metadata_mut().insert(FORWARDED, hop.to_string().parse().expect("a number is ASCII"));
     r.set_timeout(timeout);
+    // The trace goes on to the next node (when spans are exported).
+    crate::trace::inject(r.metadata_mut());
     r
+}
+
+/// [`with_hop`] with the context of `span` (the forward's own) as the trace parent.
+fn with_hop_in<T>(span: &tracing::Span, message: T, hop: u8, timeout: Duration) -> Request<T> {
+    span.in_scope(|| with_hop(message, hop, timeout))
 }
 
 /// A `FAILED_PRECONDITION` saying `owner` owns the tenant now.
@@ -86,7 +95,7 @@ impl Peer {
         let envoy = RateLimitServiceClient::new(channel);
         let (queue, rx) = mpsc::channel(4 * MAX_FORWARD_BATCH);
         tokio::spawn(batch_loop(native.clone(), rx, timeout));
-        Ok(Self { native, envoy, queue, timeout })
+        Ok(Self { address: address.into(), native, envoy, queue, timeout })
     }
 
     /// Forwards one decision; queued with others bound for the same peer.
@@ -98,9 +107,22 @@ impl Peer {
         &self,
         req: pb::ShouldAllowRequest,
     ) -> Result<pb::ShouldAllowResponse, Status> {
+        if crate::trace::sampled() {
+            // A traced request goes on its own, carrying its trace; a batch carries one.
+            let span = crate::trace::span!("forward", peer = %self.address, rpc = "ShouldAllow", otel.kind = "client");
+            let r = with_hop_in(&span, req, 1, self.timeout);
+            return async { Ok::<_, Status>(self.native.clone().should_allow(r).await?.into_inner()) }
+                .instrument(span)
+                .await;
+        }
         let (tx, rx) = oneshot::channel();
         self.queue.send((req, tx)).await.map_err(|_| Status::unavailable("forwarding stopped"))?;
         rx.await.map_err(|_| Status::unavailable("forwarding stopped"))?
+    }
+
+    /// A span for a forwarded call of `rpc`.
+    fn span(&self, rpc: &'static str) -> tracing::Span {
+        crate::trace::span!("forward", peer = %self.address, rpc, otel.kind = "client")
     }
 
     /// Forwards a batch of decisions at hop `hop`.
@@ -113,8 +135,10 @@ impl Peer {
         requests: Vec<pb::ShouldAllowRequest>,
         hop: u8,
     ) -> Result<Vec<pb::ShouldAllowResponse>, Status> {
-        let r = with_hop(pb::ShouldAllowBatchRequest { requests }, hop, self.timeout);
-        Ok(self.native.clone().should_allow_batch(r).await?.into_inner().responses)
+        let span = self.span("ShouldAllowBatch");
+        let r = with_hop_in(&span, pb::ShouldAllowBatchRequest { requests }, hop, self.timeout);
+        let call = async { Ok::<_, Status>(self.native.clone().should_allow_batch(r).await?.into_inner()) };
+        Ok(call.instrument(span).await?.responses)
     }
 
     /// Forwards a lease call (or leases a slice of a root key) at hop `hop`.
@@ -123,7 +147,9 @@ impl Peer {
     ///
     /// As [`Self::allow`].
     pub async fn lease(&self, req: pb::LeaseRequest, hop: u8) -> Result<pb::LeaseResponse, Status> {
-        Ok(self.native.clone().lease(with_hop(req, hop, self.timeout)).await?.into_inner())
+        let span = self.span("Lease");
+        let r = with_hop_in(&span, req, hop, self.timeout);
+        async { Ok::<_, Status>(self.native.clone().lease(r).await?.into_inner()) }.instrument(span).await
     }
 
     /// Forwards a cost report.
@@ -158,12 +184,11 @@ impl Peer {
         req: rls::RateLimitRequest,
         hop: u8,
     ) -> Result<rls::RateLimitResponse, Status> {
-        Ok(self
-            .envoy
-            .clone()
-            .should_rate_limit(with_hop(req, hop, self.timeout))
-            .await?
-            .into_inner())
+        let span = self.span("ShouldRateLimit");
+        let r = with_hop_in(&span, req, hop, self.timeout);
+        async { Ok::<_, Status>(self.envoy.clone().should_rate_limit(r).await?.into_inner()) }
+            .instrument(span)
+            .await
     }
 
     /// The peer's view of the ring (a health check), within `timeout`.

@@ -17,6 +17,7 @@
 //!   wait) is remembered for at most a few milliseconds, so a burst of requests does
 //!   not turn into a burst of calls.
 
+use tracing::Instrument as _;
 use std::collections::HashMap;
 use std::sync::Arc;
 
@@ -457,11 +458,22 @@ impl Cluster {
         let now = self.clock.now();
         for (key, idle) in self.slices.due(now, 2 * PERIOD * 4) {
             let owner = self.owner_of(&owner_name(key.0, "", &key.1));
-            if idle {
-                self.return_slice(&key, &owner).await;
-            } else if let Err(e) = self.refill(&key, &owner, 1, 1).await {
-                tracing::debug!("slice renewal: {e}");
+            let span = crate::trace::span!(
+                "slice_renewal",
+                scope = ?key.0,
+                route = %key.1,
+                owner = %owner.id,
+                returning = idle,
+            );
+            async {
+                if idle {
+                    self.return_slice(&key, &owner).await;
+                } else if let Err(e) = self.refill(&key, &owner, 1, 1).await {
+                    tracing::debug!("slice renewal: {e}");
+                }
             }
+            .instrument(span)
+            .await;
         }
     }
 

@@ -39,6 +39,30 @@ struct Raw {
     cluster: RawCluster,
     security: security::RawSecurity,
     dashboard: RawDashboard,
+    tracing: RawTracing,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawTracing {
+    otlp_endpoint: String,
+    sample_ratio: f64,
+    service_name: String,
+    export_timeout_ms: i64,
+}
+
+/// The `tracing` section: OpenTelemetry traces exported over OTLP/gRPC.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TracingConfig {
+    /// The collector's `http://host:port` (none: no spans are made or exported).
+    pub otlp_endpoint: Option<String>,
+    /// The fraction of traces started here that are kept (0 to 1); a call whose
+    /// `traceparent` says sampled is kept whatever this says.
+    pub sample_ratio: f64,
+    /// The `service.name` of the spans.
+    pub service_name: String,
+    /// Deadline of one export.
+    pub export_timeout: Duration,
 }
 
 #[derive(Debug, Deserialize)]
@@ -152,6 +176,11 @@ envoy:
   descriptor_limits: ignore
 dashboard:
   show_keys: false
+tracing:
+  otlp_endpoint: ""
+  sample_ratio: 0.01
+  service_name: limiter
+  export_timeout_ms: 5000
 reload:
   poll_interval_ms: 1000
   settle_ms: 500
@@ -325,6 +354,8 @@ pub struct ServerConfig {
     pub cluster: ClusterConfig,
     /// TLS and authentication of the listeners and of calls to peers.
     pub security: security::SecurityConfig,
+    /// OpenTelemetry traces.
+    pub tracing: TracingConfig,
 }
 
 /// Every problem found in the configuration.

@@ -199,6 +199,7 @@ impl TryFrom<Raw> for ServerConfig {
                     .to_owned(),
             );
         }
+        let tracing = tracing_config(&mut errors, &raw.tracing);
         if !errors.is_empty() {
             return Err(ConfigError(errors));
         }
@@ -223,6 +224,38 @@ impl TryFrom<Raw> for ServerConfig {
             grace,
             cluster,
             security,
+            tracing,
         })
+    }
+}
+
+fn tracing_config(errors: &mut Vec<String>, t: &super::RawTracing) -> super::TracingConfig {
+    let endpoint = t.otlp_endpoint.trim();
+    let otlp_endpoint = if endpoint.is_empty() {
+        None
+    } else {
+        let valid = endpoint
+            .strip_prefix("http://")
+            .is_some_and(|rest| !rest.is_empty() && rest.len() <= 253 && !rest.contains(char::is_whitespace));
+        if !valid {
+            errors.push(format!(
+                "tracing.otlp_endpoint: expected `http://host:port` of an OTLP/gRPC collector \
+                 (a local agent or sidecar), found `{}`",
+                endpoint.chars().take(80).collect::<String>()
+            ));
+        }
+        Some(endpoint.to_owned())
+    };
+    if !(0.0..=1.0).contains(&t.sample_ratio) {
+        errors.push(format!("tracing.sample_ratio: must be from 0 to 1, found {}", t.sample_ratio));
+    }
+    if t.service_name.trim().is_empty() {
+        errors.push("tracing.service_name: must not be empty".to_owned());
+    }
+    super::TracingConfig {
+        otlp_endpoint,
+        sample_ratio: t.sample_ratio,
+        service_name: t.service_name.trim().to_owned(),
+        export_timeout: millis(errors, "tracing.export_timeout_ms", t.export_timeout_ms, false),
     }
 }

@@ -18,6 +18,7 @@
 //! - Limits must fit the scripts' exact integer range (Lua numbers are doubles):
 //!   [`check_policy`] refuses, at load and on reload, any limit that does not.
 
+use tracing::Instrument as _;
 use std::fmt::Write as _;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
@@ -360,6 +361,11 @@ impl RedisStore {
     }
 
     async fn invoke(&self, inv: &redis::ScriptInvocation<'_>) -> Result<Vec<i64>, StoreError> {
+        let span = crate::trace::span!("store", db.system = "redis", otel.kind = "client");
+        self.invoke_on(inv).instrument(span).await
+    }
+
+    async fn invoke_on(&self, inv: &redis::ScriptInvocation<'_>) -> Result<Vec<i64>, StoreError> {
         match &self.conn {
             Conn::Single(managers) => {
                 // Relaxed: only spreads calls over the connections.

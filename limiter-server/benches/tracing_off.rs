@@ -1,0 +1,73 @@
+//! What the decision path pays for its spans when no trace is exported: a
+//! `ShouldAllow` handled in-process (the service called directly, no transport) on a
+//! chain of four levels, its `decide` span made (and disabled) in the handler.
+//!
+//! The build without the spans is the same bench without the `otlp` feature; run
+//! both, alternating, and compare the figures:
+//!
+//! ```text
+//! cargo bench -p limiter-server --bench tracing_off
+//! cargo bench -p limiter-server --bench tracing_off --no-default-features
+//! ```
+//!
+//! Each build also measures `Ping` (an empty handler), its baseline in the same run.
+
+#![allow(missing_docs)]
+
+use std::hint::black_box;
+
+use criterion::{Criterion, criterion_group, criterion_main};
+use limiter_proto::limiter::v1 as pb;
+use limiter_proto::limiter::v1::rate_limiter_server::RateLimiter as _;
+use limiter_server::Server;
+use limiter_server::api::native::NativeService;
+use limiter_server::config::ServerConfig;
+
+const POLICY: &str = r"
+version: 1
+global:
+  ceiling: { algorithm: token_bucket, rate: 100000000/s, burst: 100000000 }
+routes:
+  /search:
+    limit: { algorithm: sliding_counter, limit: 100000000, window: 1s }
+tenants:
+  acme:
+    limit: { algorithm: token_bucket, rate: 100000000/s, burst: 100000000 }
+    routes:
+      /search: { algorithm: fixed_window, limit: 100000000, window: 1s }
+";
+
+fn bench(c: &mut Criterion) {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("policies.yaml");
+    std::fs::write(&path, POLICY).unwrap();
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    let config = ServerConfig::for_policy(&path).unwrap();
+    let server = {
+        let _rt = rt.enter();
+        Server::new(config).unwrap()
+    };
+    let service = NativeService::new(server.owner().clone());
+    let feature = if cfg!(feature = "otlp") { "with spans" } else { "without spans" };
+    let mut g = c.benchmark_group(format!("tracing_off/{feature}"));
+    let req = pb::ShouldAllowRequest {
+        tenant: "acme".to_owned(),
+        route: "/search".to_owned(),
+        ..Default::default()
+    };
+    g.bench_function("ping", |b| {
+        b.iter(|| {
+            rt.block_on(service.ping(tonic::Request::new(pb::PingRequest {}))).unwrap();
+        });
+    });
+    g.bench_function("should_allow", |b| {
+        b.iter(|| {
+            let r = rt.block_on(service.should_allow(tonic::Request::new(req.clone()))).unwrap();
+            black_box(r.into_inner().allowed);
+        });
+    });
+    g.finish();
+}
+
+criterion_group!(benches, bench);
+criterion_main!(benches);

@@ -16,8 +16,8 @@ use opentelemetry_proto::tonic::collector::trace::v1::trace_service_server::{
 use opentelemetry_proto::tonic::collector::trace::v1::{
     ExportTraceServiceRequest, ExportTraceServiceResponse,
 };
-use opentelemetry_proto::tonic::common::v1::any_value::Value as AnyValue;
 use opentelemetry_proto::tonic::common::v1::KeyValue;
+use opentelemetry_proto::tonic::common::v1::any_value::Value as AnyValue;
 use parking_lot::Mutex;
 
 mod common;
@@ -44,9 +44,11 @@ struct Got {
 struct Collector(Arc<Mutex<Vec<Got>>>);
 
 fn text(attrs: &[KeyValue], key: &str) -> Option<String> {
-    attrs.iter().find(|kv| kv.key == key).and_then(|kv| match kv.value.as_ref()?.value.as_ref()? {
-        AnyValue::StringValue(s) => Some(s.clone()),
-        _ => None,
+    attrs.iter().find(|kv| kv.key == key).and_then(|kv| {
+        match kv.value.as_ref()?.value.as_ref()? {
+            AnyValue::StringValue(s) => Some(s.clone()),
+            _ => None,
+        }
     })
 }
 
@@ -90,7 +92,10 @@ async fn trace_of(c: &Collector, trace: &str, want: &[(&str, &[&str])]) -> Vec<G
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     let all: Vec<(String, String, String)> =
-        c.0.lock().iter().map(|g| (g.node.clone(), g.span.name.clone(), hex(&g.span.trace_id))).collect();
+        c.0.lock()
+            .iter()
+            .map(|g| (g.node.clone(), g.span.name.clone(), hex(&g.span.trace_id)))
+            .collect();
     panic!("trace {trace} incomplete; received {all:?}");
 }
 
@@ -132,22 +137,38 @@ async fn a_forwarded_request_is_one_trace_across_two_nodes() {
         .insert("traceparent", format!("00-{trace_id}-00f067aa0ba902b7-01").parse().unwrap());
     let answer = a.should_allow(req).await.unwrap().into_inner();
     assert!(answer.allowed);
-    let spans = trace_of(&collector, trace_id, &[("a", &["grpc", "decide", "forward"]), ("b", &["grpc", "decide"])]).await;
+    let spans = trace_of(
+        &collector,
+        trace_id,
+        &[("a", &["grpc", "decide", "forward"]), ("b", &["grpc", "decide"])],
+    )
+    .await;
     let one = |node: &str, name: &str| {
         spans.iter().find(|g| g.node == node && g.span.name == name).unwrap().span.clone()
     };
-    let (a_server, a_decide, a_forward) = (one("a", "grpc"), one("a", "decide"), one("a", "forward"));
+    let (a_server, a_decide, a_forward) =
+        (one("a", "grpc"), one("a", "decide"), one("a", "forward"));
     let (b_server, b_decide) = (one("b", "grpc"), one("b", "decide"));
-    assert_eq!(hex(&a_server.parent_span_id), "00f067aa0ba902b7", "a's server span is the caller's child");
+    assert_eq!(
+        hex(&a_server.parent_span_id),
+        "00f067aa0ba902b7",
+        "a's server span is the caller's child"
+    );
     assert_eq!(a_decide.parent_span_id, a_server.span_id);
     assert_eq!(a_forward.parent_span_id, a_decide.span_id, "the forward is part of a's decision");
-    assert_eq!(b_server.parent_span_id, a_forward.span_id, "b's server span is a's forward's child");
+    assert_eq!(
+        b_server.parent_span_id, a_forward.span_id,
+        "b's server span is a's forward's child"
+    );
     assert_eq!(b_decide.parent_span_id, b_server.span_id);
     for d in [&a_decide, &b_decide] {
         assert_eq!(text(&d.attributes, "tenant").as_deref(), Some(on_b.as_str()));
         assert_eq!(text(&d.attributes, "route").as_deref(), Some("/r"));
     }
-    assert_eq!(text(&a_forward.attributes, "peer").as_deref(), Some(nodes[1].grpc.to_string().as_str()));
+    assert_eq!(
+        text(&a_forward.attributes, "peer").as_deref(),
+        Some(nodes[1].grpc.to_string().as_str())
+    );
 
     // Without one: a starts the trace, b's spans join it.
     let before: std::collections::HashSet<Vec<u8>> =
@@ -155,13 +176,16 @@ async fn a_forwarded_request_is_one_trace_across_two_nodes() {
     assert!(a.should_allow(allow(&on_b)).await.unwrap().into_inner().allowed);
     let mut joined = None;
     for _ in 0..200 {
-        let by_trace: HashMap<Vec<u8>, Vec<String>> = collector.0.lock().iter().filter(|g| !before.contains(&g.span.trace_id)).fold(
-            HashMap::new(),
-            |mut m, g| {
-                m.entry(g.span.trace_id.clone()).or_default().push(format!("{}:{}", g.node, g.span.name));
-                m
-            },
-        );
+        let by_trace: HashMap<Vec<u8>, Vec<String>> =
+            collector.0.lock().iter().filter(|g| !before.contains(&g.span.trace_id)).fold(
+                HashMap::new(),
+                |mut m, g| {
+                    m.entry(g.span.trace_id.clone())
+                        .or_default()
+                        .push(format!("{}:{}", g.node, g.span.name));
+                    m
+                },
+            );
         joined = by_trace.into_iter().find(|(_, names)| {
             names.iter().any(|n| n == "a:forward") && names.iter().any(|n| n == "b:decide")
         });

@@ -31,8 +31,8 @@ use limiter_proto::envoy::service::ratelimit::v3 as rls;
 use limiter_proto::envoy::r#type::v3::RateLimitUnit as EnvoyUnit;
 use rls::rate_limit_response::{Code, DescriptorStatus, RateLimit, rate_limit::Unit};
 use rls::rate_limit_service_server::RateLimitService;
-use tracing::Instrument as _;
 use tonic::{Response, Status};
+use tracing::Instrument as _;
 
 use crate::config::{DescriptorLimits, EnvoyMapping, TenantFrom};
 use crate::convert::duration;

@@ -111,9 +111,11 @@ impl Peer {
             // A traced request goes on its own, carrying its trace; a batch carries one.
             let span = crate::trace::span!("forward", peer = %self.address, rpc = "ShouldAllow", otel.kind = "client");
             let r = with_hop_in(&span, req, 1, self.timeout);
-            return async { Ok::<_, Status>(self.native.clone().should_allow(r).await?.into_inner()) }
-                .instrument(span)
-                .await;
+            return async {
+                Ok::<_, Status>(self.native.clone().should_allow(r).await?.into_inner())
+            }
+            .instrument(span)
+            .await;
         }
         let (tx, rx) = oneshot::channel();
         self.queue.send((req, tx)).await.map_err(|_| Status::unavailable("forwarding stopped"))?;
@@ -137,7 +139,9 @@ impl Peer {
     ) -> Result<Vec<pb::ShouldAllowResponse>, Status> {
         let span = self.span("ShouldAllowBatch");
         let r = with_hop_in(&span, pb::ShouldAllowBatchRequest { requests }, hop, self.timeout);
-        let call = async { Ok::<_, Status>(self.native.clone().should_allow_batch(r).await?.into_inner()) };
+        let call = async {
+            Ok::<_, Status>(self.native.clone().should_allow_batch(r).await?.into_inner())
+        };
         Ok(call.instrument(span).await?.responses)
     }
 
@@ -149,7 +153,9 @@ impl Peer {
     pub async fn lease(&self, req: pb::LeaseRequest, hop: u8) -> Result<pb::LeaseResponse, Status> {
         let span = self.span("Lease");
         let r = with_hop_in(&span, req, hop, self.timeout);
-        async { Ok::<_, Status>(self.native.clone().lease(r).await?.into_inner()) }.instrument(span).await
+        async { Ok::<_, Status>(self.native.clone().lease(r).await?.into_inner()) }
+            .instrument(span)
+            .await
     }
 
     /// Forwards a cost report.

@@ -17,9 +17,9 @@
 //!   wait) is remembered for at most a few milliseconds, so a burst of requests does
 //!   not turn into a burst of calls.
 
-use tracing::Instrument as _;
 use std::collections::HashMap;
 use std::sync::Arc;
+use tracing::Instrument as _;
 
 use limiter_core::clock::{NANOS_PER_SEC, Nanos};
 use limiter_core::decision::Scope;

@@ -234,9 +234,9 @@ fn tracing_config(errors: &mut Vec<String>, t: &super::RawTracing) -> super::Tra
     let otlp_endpoint = if endpoint.is_empty() {
         None
     } else {
-        let valid = endpoint
-            .strip_prefix("http://")
-            .is_some_and(|rest| !rest.is_empty() && rest.len() <= 253 && !rest.contains(char::is_whitespace));
+        let valid = endpoint.strip_prefix("http://").is_some_and(|rest| {
+            !rest.is_empty() && rest.len() <= 253 && !rest.contains(char::is_whitespace)
+        });
         if !valid {
             errors.push(format!(
                 "tracing.otlp_endpoint: expected `http://host:port` of an OTLP/gRPC collector \

@@ -18,9 +18,9 @@
 //! - Limits must fit the scripts' exact integer range (Lua numbers are doubles):
 //!   [`check_policy`] refuses, at load and on reload, any limit that does not.
 
-use tracing::Instrument as _;
 use std::fmt::Write as _;
 use std::sync::atomic::{AtomicUsize, Ordering};
+use tracing::Instrument as _;
 
 use limiter_core::algorithm::Window;
 use limiter_core::calendar::Calendar;

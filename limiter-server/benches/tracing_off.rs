@@ -11,6 +11,8 @@
 //! ```
 //!
 //! Each build also measures `Ping` (an empty handler), its baseline in the same run.
+//! The subscriber is the server's own (`trace::init` without an endpoint: logs to
+//! stderr, at `RUST_LOG` or `info`).
 
 #![allow(missing_docs)]
 
@@ -43,9 +45,11 @@ fn bench(c: &mut Criterion) {
     std::fs::write(&path, POLICY).unwrap();
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
     let config = ServerConfig::for_policy(&path).unwrap();
-    let server = {
+    let (_traces, server) = {
         let _rt = rt.enter();
-        Server::new(config).unwrap()
+        // The subscriber the server installs: logs on stderr, no OTLP endpoint.
+        let traces = limiter_server::trace::init(&config.tracing, "bench").unwrap();
+        (traces, Server::new(config).unwrap())
     };
     let service = NativeService::new(server.owner().clone());
     let feature = if cfg!(feature = "otlp") { "with spans" } else { "without spans" };
@@ -58,6 +62,21 @@ fn bench(c: &mut Criterion) {
     g.bench_function("ping", |b| {
         b.iter(|| {
             rt.block_on(service.ping(tonic::Request::new(pb::PingRequest {}))).unwrap();
+        });
+    });
+    // One span of the exported target, as a handler makes it, around an empty future:
+    // what a decision pays for its span while none is exported.
+    g.bench_function("disabled_span", |b| {
+        use tracing::Instrument as _;
+        b.iter(|| {
+            let span = tracing::info_span!(
+                target: "limiter::otel",
+                "decide",
+                api = "native",
+                tenant = %req.tenant,
+                route = %req.route,
+            );
+            rt.block_on(async { black_box(1) }.instrument(span));
         });
     });
     g.bench_function("should_allow", |b| {

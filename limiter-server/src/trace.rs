@@ -11,8 +11,21 @@
 //! callsite's interest and its fields are never evaluated.
 
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
 
-use crate::config::TracingConfig;
+/// The `tracing` section of the configuration (`crate::config` reads and checks it): OpenTelemetry traces exported over OTLP/gRPC.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TracingConfig {
+    /// The collector's `http://host:port` (none: no spans are made or exported).
+    pub otlp_endpoint: Option<String>,
+    /// The fraction of traces started here that are kept (0 to 1); a call whose
+    /// `traceparent` says sampled is kept whatever this says.
+    pub sample_ratio: f64,
+    /// The `service.name` of the spans.
+    pub service_name: String,
+    /// Deadline of one export.
+    pub export_timeout: Duration,
+}
 
 /// The target of every exported span.
 pub(crate) const TARGET: &str = "limiter::otel";
@@ -158,8 +171,7 @@ mod otel {
     use tracing_opentelemetry::OpenTelemetrySpanExt as _;
     use tracing_subscriber::Layer as _;
 
-    use super::{TARGET, on};
-    use crate::config::TracingConfig;
+    use super::{TARGET, TracingConfig, on};
 
     type Boxed = Box<dyn tracing_subscriber::Layer<tracing_subscriber::Registry> + Send + Sync>;
 

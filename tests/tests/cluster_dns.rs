@@ -132,11 +132,30 @@ async fn nodes_found_through_dns_share_one_ring_and_follow_the_records() {
     println!("a record added was followed in {took:?} (interval {INTERVAL:?})");
     procs[3].wait_ready().await;
 
-    // c's record is removed (c still runs): every ring drops it within two intervals,
-    // c's own included.
+    // A tenant of c's has used 5 of its 1000.
+    let owners_before = owners(&mut client(a.grpc).await, &tenants).await;
+    let of_c =
+        tenants[owners_before.iter().rposition(|o| *o == c.grpc.to_string()).unwrap()].clone();
+    assert_ne!(&of_c, on_c, "a tenant of c's not asked for before");
+    for _ in 0..5 {
+        assert!(
+            client(c.grpc).await.should_allow(allow(&of_c)).await.unwrap().into_inner().allowed
+        );
+    }
+
+    // c's record is removed (c still runs, as a terminating pod does): c drains, and
+    // every ring drops it within two intervals, c's own included.
     dns.set(&[ips[0], ips[1], ips[3]]);
     let took = converge(&[a, b, c, d], &[a, b, d], INTERVAL * 2).await;
     println!("a record removed was followed in {took:?} (interval {INTERVAL:?})");
+    assert_eq!(procs[2].status("/readyz").await, Some(503), "c drains once its record is gone");
+    // Its tenants were handed over, counts and all: no fence, nothing begun afresh.
+    let r = client(a.grpc).await.should_allow(allow(&of_c)).await.unwrap().into_inner();
+    assert!(r.allowed, "c's tenant is served by its new owner at once: {r:?}");
+    assert_eq!(r.remaining, 1000 - 6, "the count moved with the tenant");
+    // The tenant asked for at the start kept its count too (1 used).
+    let r = client(b.grpc).await.should_allow(allow(on_c)).await.unwrap().into_inner();
+    assert!(r.allowed && r.remaining == 1000 - 2, "{r:?}");
 
     // The DNS server stops: the rings stay as they were, the view's age grows.
     dns.stop();

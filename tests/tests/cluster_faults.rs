@@ -70,7 +70,8 @@ enum Members<'a> {
     Static,
     /// A Redis registry at this URL.
     Registry(&'a str),
-    /// A DNS server listing 127.0.0.1-3, the nodes sharing one port.
+    /// A DNS server listing 127.0.0.1-3, the nodes sharing one port; a node's record
+    /// is removed while it restarts.
     Dns,
 }
 
@@ -89,7 +90,7 @@ async fn rolling_restart(members: Members<'_>) {
         }
         _ => ["a", "b", "c"].iter().map(|id| Node::new(id)).collect(),
     };
-    let dns = matches!(members, Members::Dns)
+    let mut dns = matches!(members, Members::Dns)
         .then(|| limiter_tests::DnsServer::start("limiter-headless.test", &ips));
     let dns_server = dns.as_ref().map(|d| d.addr.to_string()).unwrap_or_default();
     let (peers, extra) = match members {
@@ -162,6 +163,13 @@ async fn rolling_restart(members: Members<'_>) {
     tokio::time::sleep(Duration::from_secs(2)).await;
     for i in 0..3 {
         let started = Instant::now();
+        // As Kubernetes does: a terminating pod's record goes as it is told to stop,
+        // and its replacement's comes with it.
+        if let Some(d) = dns.as_mut() {
+            let others: Vec<std::net::IpAddr> =
+                ips.iter().enumerate().filter(|(k, _)| *k != i).map(|(_, ip)| *ip).collect();
+            d.set(&others);
+        }
         procs[i].terminate();
         assert!(
             procs[i].wait_exit(Duration::from_secs(10)).await,
@@ -169,6 +177,9 @@ async fn rolling_restart(members: Members<'_>) {
             nodes[i].id
         );
         procs[i] = nodes[i].spawn(&policy, &peers, &extra);
+        if let Some(d) = dns.as_mut() {
+            d.set(&ips);
+        }
         procs[i].wait_ready().await;
         for n in &nodes {
             wait_members(&mut client(n.grpc).await, 3).await;

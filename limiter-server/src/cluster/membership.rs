@@ -16,7 +16,10 @@
 //!   health-checked with the same hysteresis as static peers, and ids are addresses,
 //!   so every node derives the same ring. A failed or empty answer keeps the last
 //!   good list (and the view's age grows); a node joins only once the name lists its
-//!   own address, so it never decides with a view the others cannot share.
+//!   own address, so it never decides with a view the others cannot share. A member
+//!   whose record goes away leaves the ring when its checks fail (hysteresis as for
+//!   any peer); a node that sees its own record gone drains, as on SIGTERM, so that
+//!   its tenants are handed over before the others drop it.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -29,8 +32,17 @@ use super::ring::{Member, Ring};
 use super::{Cluster, LocalState};
 use crate::config::Membership;
 
-/// The longest a record's TTL delays the next DNS lookup.
-pub(crate) const MAX_TTL_WAIT: Duration = Duration::from_secs(30);
+/// How long a node the records stopped listing still counts as one of the cluster's
+/// (its handoff accepted): longer than any drain and handoff.
+const KNOWN_AFTER_REMOVAL: Duration = Duration::from_secs(120);
+
+/// Removed nodes remembered at most (oldest forgotten first).
+const MAX_REMOVED: usize = 1024;
+
+/// The longest a record's TTL delays the next DNS lookup (Kubernetes' DNS gives 5 s;
+/// a longer wait would leave a removed pod in the ring, and the view's age near the
+/// stale-view alert).
+pub(crate) const MAX_TTL_WAIT: Duration = Duration::from_secs(10);
 
 /// Renews this node's entry, drops expired ones, bumps the epoch on any change and
 /// returns `{epoch, id, info, id, info, ...}`. KEYS: members (zset), epoch, info
@@ -93,6 +105,7 @@ pub async fn run(cluster: Arc<Cluster>, state: Arc<dyn LocalState>, cancel: Canc
                 interval,
                 next: tokio::time::Instant::now(),
                 found: None,
+                removed: Vec::new(),
                 failures: 0,
             };
             run_checked(&cluster, &*state, Candidates::Dns(Box::new(dns)), cancel).await;
@@ -133,6 +146,8 @@ struct DnsCandidates {
     next: tokio::time::Instant,
     /// The last good list (every address, this node's too), sorted by id.
     found: Option<Vec<Member>>,
+    /// Addresses the records listed before, and when they stopped (oldest first).
+    removed: Vec<(Arc<str>, tokio::time::Instant)>,
     failures: u32,
 }
 
@@ -164,6 +179,19 @@ impl DnsCandidates {
                 members.sort_by(|a, b| a.id.cmp(&b.id));
                 if self.found.as_ref() != Some(&members) {
                     tracing::info!(name = %self.name, members = members.len(), "membership records changed");
+                    // Those no longer listed stay known for a while: a pod leaves the
+                    // records as it stops, and its handoff must still be accepted.
+                    for gone in self.found.iter().flatten().filter(|m| !members.contains(m)) {
+                        self.removed.push((gone.id.clone(), now));
+                    }
+                }
+                self.removed.retain(|(id, at)| {
+                    now.duration_since(*at) < KNOWN_AFTER_REMOVAL
+                        && !members.iter().any(|m| m.id == *id)
+                });
+                if self.removed.len() > MAX_REMOVED {
+                    let extra = self.removed.len() - MAX_REMOVED;
+                    self.removed.drain(..extra);
                 }
                 self.failures = 0;
                 self.found = Some(members);
@@ -219,14 +247,34 @@ async fn run_checked(
                     cluster.publish();
                     continue;
                 };
-                let others: Vec<Member> = found.iter().filter(|m| m.id != me.id).cloned().collect();
+                let mut others: Vec<Member> =
+                    found.iter().filter(|m| m.id != me.id).cloned().collect();
                 let listed = others.len() < found.len();
-                // Candidates that left the records are forgotten with their health
-                // and their clients (pods come back under new addresses).
-                health.retain(|id, _| others.iter().any(|m| m.id == *id));
                 let ring = cluster.ring();
-                cluster.forget_peers_except(others.iter().chain(ring.members()));
-                cluster.set_candidates(others.iter().map(|m| m.id.clone()).collect());
+                // A member whose record went away stays a candidate while it is in
+                // the ring: it leaves when its checks say so (it drains as soon as it
+                // sees its record gone, and hands its tenants over first), with the
+                // hysteresis of any peer.
+                for m in ring.members() {
+                    if m.id != me.id && !others.iter().any(|o| o.id == m.id) {
+                        others.push(m.clone());
+                    }
+                }
+                // Candidates that left both are forgotten with their health and their
+                // clients (pods come back under new addresses).
+                health.retain(|id, _| others.iter().any(|m| m.id == *id));
+                cluster.forget_peers_except(others.iter());
+                let known = others.iter().map(|m| m.id.clone());
+                cluster
+                    .set_candidates(known.chain(dns.removed.iter().map(|r| r.0.clone())).collect());
+                if !listed && cluster.joined() && !cluster.draining() {
+                    tracing::warn!(
+                        node = %me.id,
+                        "this node's address left the membership records: draining \
+                         (its tenants go to the others; it stays out until restarted)"
+                    );
+                    cluster.drain(state.counters(), state.leases()).await;
+                }
                 (others, listed)
             }
         };

@@ -51,19 +51,7 @@ struct RawTracing {
     export_timeout_ms: i64,
 }
 
-/// The `tracing` section: OpenTelemetry traces exported over OTLP/gRPC.
-#[derive(Debug, Clone, PartialEq)]
-pub struct TracingConfig {
-    /// The collector's `http://host:port` (none: no spans are made or exported).
-    pub otlp_endpoint: Option<String>,
-    /// The fraction of traces started here that are kept (0 to 1); a call whose
-    /// `traceparent` says sampled is kept whatever this says.
-    pub sample_ratio: f64,
-    /// The `service.name` of the spans.
-    pub service_name: String,
-    /// Deadline of one export.
-    pub export_timeout: Duration,
-}
+pub use crate::trace::TracingConfig;
 
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]

@@ -148,3 +148,36 @@ async fn reflection_lists_every_service_and_resolves_their_files() {
     }
     s.stop().await;
 }
+
+/// With `security.grpc.auth: token`, reflection is a client's call like any other:
+/// refused without a token, answered with one.
+#[tokio::test]
+async fn reflection_asks_for_credentials_where_the_port_does() {
+    let dir = tempfile::tempdir().unwrap();
+    let tokens = dir.path().join("tokens");
+    std::fs::write(&tokens, "gateway client reflect-secret\n").unwrap();
+    let tokens = tokens.display().to_string();
+    let s = TestServer::start_with(
+        POLICY,
+        &[("LIMITER__SECURITY__TOKENS_FILE", &tokens), ("LIMITER__SECURITY__GRPC__AUTH", "token")],
+    )
+    .await;
+    let channel = tonic::transport::Endpoint::from_shared(format!("http://{}", s.grpc))
+        .unwrap()
+        .connect()
+        .await
+        .unwrap();
+    let list = || ServerReflectionRequest {
+        host: String::new(),
+        message_request: Some(MessageRequest::ListServices(String::new())),
+    };
+    let mut c = ServerReflectionClient::new(channel.clone());
+    let refused = c.server_reflection_info(tokio_stream::iter([list()])).await.unwrap_err();
+    assert_eq!(refused.code(), tonic::Code::Unauthenticated);
+    let mut req = tonic::Request::new(tokio_stream::iter([list()]));
+    req.metadata_mut().insert("authorization", "Bearer reflect-secret".parse().unwrap());
+    let mut answers = c.server_reflection_info(req).await.unwrap().into_inner();
+    let answer = answers.message().await.unwrap().unwrap().message_response.unwrap();
+    assert!(matches!(answer, MessageResponse::ListServicesResponse(l) if !l.service.is_empty()));
+    s.stop().await;
+}

@@ -25,23 +25,11 @@ use limiter_server::config::ServerConfig;
 #[path = "../tests/common/pki.rs"]
 mod pki;
 
+mod common;
+use common::POLICY;
+
 const CONCURRENCY: u64 = 64;
 const KEYS: u64 = 1_000;
-
-const POLICY: &str = r"
-version: 1
-global:
-  ceiling: { algorithm: token_bucket, rate: 100000000/s, burst: 100000000 }
-routes:
-  /search:
-    limit: { algorithm: sliding_counter, limit: 100000000, window: 1s }
-tenants:
-  acme:
-    limit: { algorithm: token_bucket, rate: 100000000/s, burst: 100000000 }
-    routes:
-      /search: { algorithm: fixed_window, limit: 100000000, window: 1s }
-    per_key: { algorithm: token_bucket, rate: 1000000/s, burst: 1000000 }
-";
 
 type Client = RateLimiterClient<AuthChannel>;
 

@@ -25,19 +25,8 @@ use limiter_server::Server;
 use limiter_server::api::native::NativeService;
 use limiter_server::config::ServerConfig;
 
-const POLICY: &str = r"
-version: 1
-global:
-  ceiling: { algorithm: token_bucket, rate: 100000000/s, burst: 100000000 }
-routes:
-  /search:
-    limit: { algorithm: sliding_counter, limit: 100000000, window: 1s }
-tenants:
-  acme:
-    limit: { algorithm: token_bucket, rate: 100000000/s, burst: 100000000 }
-    routes:
-      /search: { algorithm: fixed_window, limit: 100000000, window: 1s }
-";
+mod common;
+use common::POLICY;
 
 fn bench(c: &mut Criterion) {
     let dir = tempfile::tempdir().unwrap();

@@ -40,6 +40,24 @@ pub(crate) fn on() -> bool {
     ON.load(Ordering::Relaxed)
 }
 
+/// The most of a caller's text a span attribute keeps (names are checked against
+/// their bounds after the span is made; a span never holds a whole message).
+const MAX_ATTRIBUTE: usize = 256;
+
+/// `text` cut to [`MAX_ATTRIBUTE`] bytes at a character boundary, for a span
+/// attribute. Evaluated only when the span is enabled.
+#[cfg_attr(not(feature = "otlp"), allow(dead_code))]
+pub(crate) fn short(text: &str) -> &str {
+    if text.len() <= MAX_ATTRIBUTE {
+        return text;
+    }
+    let mut end = MAX_ATTRIBUTE;
+    while !text.is_char_boundary(end) {
+        end -= 1;
+    }
+    &text[..end]
+}
+
 /// A span of [`TARGET`] (an enabled one only while spans are exported); without the
 /// `otlp` feature, no span at all.
 macro_rules! span {
@@ -321,5 +339,17 @@ impl<S> tower::Layer<S> for Traced {
     type Service = S;
     fn layer(&self, inner: S) -> S {
         inner
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn attributes_are_cut_at_a_character_boundary() {
+        assert_eq!(super::short("acme"), "acme");
+        let long = "é".repeat(200); // 400 bytes
+        let cut = super::short(&long);
+        assert!(cut.len() <= super::MAX_ATTRIBUTE && cut.len() >= super::MAX_ATTRIBUTE - 1);
+        assert!(long.starts_with(cut));
     }
 }

@@ -13,17 +13,6 @@ use tokio::time::Instant;
 mod common;
 use common::*;
 
-const POLICY: &str = r"
-version: 1
-lease: { ttl: 1s }
-unknown_tenants: use_default
-routes:
-  /r: {}
-tenants:
-  default:
-    limit: { algorithm: fixed_window, limit: 1000, window: 1h }
-";
-
 /// The lookup interval in this test.
 const INTERVAL: Duration = Duration::from_millis(1_000);
 const NAME: &str = "limiter-headless.test.";
@@ -95,7 +84,7 @@ async fn converge(nodes: &[&Node], want: &[&Node], within: Duration) -> Duration
 async fn nodes_found_through_dns_share_one_ring_and_follow_the_records() {
     let dir = tempfile::tempdir().unwrap();
     let policy = dir.path().join("policies.yaml");
-    std::fs::write(&policy, POLICY).unwrap();
+    std::fs::write(&policy, MEMBERSHIP_POLICY).unwrap();
     let ips: Vec<IpAddr> = (1..=4).map(ip).collect();
     let port = free_port_on(&ips);
     let nodes: Vec<Node> = ips.iter().map(|ip| Node::at(SocketAddr::new(*ip, port))).collect();

@@ -15,17 +15,6 @@ use tokio::time::Instant;
 mod common;
 use common::*;
 
-const POLICY: &str = r"
-version: 1
-lease: { ttl: 1s }
-unknown_tenants: use_default
-routes:
-  /r: {}
-tenants:
-  default:
-    limit: { algorithm: fixed_window, limit: 1000, window: 1h }
-";
-
 fn registry(url: &str) -> Vec<(&'static str, String)> {
     vec![
         ("LIMITER__CLUSTER__MEMBERSHIP", "redis".to_owned()),
@@ -44,7 +33,7 @@ fn spawn(n: &Node, policy: &std::path::Path, env: &[(&'static str, String)]) -> 
 async fn the_registry_derives_one_ring_drops_silent_nodes_and_survives_its_loss() {
     let dir = tempfile::tempdir().unwrap();
     let policy = dir.path().join("policies.yaml");
-    std::fs::write(&policy, POLICY).unwrap();
+    std::fs::write(&policy, MEMBERSHIP_POLICY).unwrap();
     let mut redis = RedisServer::start();
     let env = registry(&redis.url());
     let nodes: Vec<Node> = ["a", "b", "c"].iter().map(|id| Node::new(id)).collect();
@@ -99,7 +88,7 @@ async fn the_registry_derives_one_ring_drops_silent_nodes_and_survives_its_loss(
 async fn readiness_waits_for_the_ring_and_goes_false_while_draining() {
     let dir = tempfile::tempdir().unwrap();
     let policy = dir.path().join("policies.yaml");
-    std::fs::write(&policy, POLICY).unwrap();
+    std::fs::write(&policy, MEMBERSHIP_POLICY).unwrap();
     // The registry is not there yet.
     let mut redis = RedisServer::start();
     redis.kill();

@@ -23,16 +23,6 @@ use parking_lot::Mutex;
 mod common;
 use common::*;
 
-const POLICY: &str = r"
-version: 1
-unknown_tenants: use_default
-routes:
-  /r: {}
-tenants:
-  default:
-    limit: { algorithm: fixed_window, limit: 1000, window: 1h }
-";
-
 /// One received span: the node that sent it, and the span.
 #[derive(Debug, Clone)]
 struct Got {
@@ -112,7 +102,7 @@ async fn a_forwarded_request_is_one_trace_across_two_nodes() {
 
     let dir = tempfile::tempdir().unwrap();
     let policy = dir.path().join("policies.yaml");
-    std::fs::write(&policy, POLICY).unwrap();
+    std::fs::write(&policy, MEMBERSHIP_POLICY).unwrap();
     let nodes: Vec<Node> = ["a", "b"].iter().map(|id| Node::new(id)).collect();
     let peers = Node::static_peers(&nodes);
     let env = [

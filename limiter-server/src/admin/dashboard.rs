@@ -131,8 +131,6 @@ pub(crate) struct Totals {
     pub latency: Vec<(f64, u64)>,
 }
 
-impl Eq for Totals {}
-
 /// Reads `limiter_decisions_total` series out of the Prometheus text format.
 pub(crate) fn totals(text: &str) -> Totals {
     let mut t = Totals::default();

@@ -511,8 +511,8 @@ impl RateLimitService for EnvoyService {
         let span = crate::trace::span!(
             "decide",
             api = "envoy",
-            tenant = %core.first().map_or("", |r| r.tenant),
-            route = %core.first().map_or("", |r| r.route),
+            tenant = %crate::trace::short(core.first().map_or("", |r| r.tenant)),
+            route = %crate::trace::short(core.first().map_or("", |r| r.route)),
             descriptors = core.len(),
         );
         async {

@@ -47,8 +47,8 @@ impl RateLimiter for NativeService {
         let span = crate::trace::span!(
             "decide",
             api = "native",
-            tenant = %req.tenant,
-            route = %req.route,
+            tenant = %crate::trace::short(&req.tenant),
+            route = %crate::trace::short(&req.route),
             cost = req.cost.unwrap_or(0),
         );
         let mut answers = routing::should_allow(&self.owner, std::slice::from_ref(&req), hop)
@@ -82,8 +82,8 @@ impl RateLimiter for NativeService {
         let span = crate::trace::span!(
             "decide",
             api = "native",
-            tenant = %first.map_or("", |r| r.tenant.as_str()),
-            route = %first.map_or("", |r| r.route.as_str()),
+            tenant = %crate::trace::short(first.map_or("", |r| r.tenant.as_str())),
+            route = %crate::trace::short(first.map_or("", |r| r.route.as_str())),
             requests = batch.requests.len(),
         );
         let responses = routing::should_allow(&self.owner, &batch.requests, hop)
@@ -148,9 +148,9 @@ impl RateLimiter for NativeService {
         }
         let span = crate::trace::span!(
             "lease",
-            agent = %r.agent_id,
-            tenant = %r.items.first().map_or("", |i| i.tenant.as_str()),
-            route = %r.items.first().map_or("", |i| i.route.as_str()),
+            agent = %crate::trace::short(&r.agent_id),
+            tenant = %crate::trace::short(r.items.first().map_or("", |i| i.tenant.as_str())),
+            route = %crate::trace::short(r.items.first().map_or("", |i| i.route.as_str())),
             items = r.items.len(),
         );
         let grants = routing::lease(&self.owner, &r, hop)

@@ -109,7 +109,7 @@ impl Peer {
     ) -> Result<pb::ShouldAllowResponse, Status> {
         if crate::trace::sampled() {
             // A traced request goes on its own, carrying its trace; a batch carries one.
-            let span = crate::trace::span!("forward", peer = %self.address, rpc = "ShouldAllow", otel.kind = "client");
+            let span = self.span("ShouldAllow");
             let r = with_hop_in(&span, req, 1, self.timeout);
             return async {
                 Ok::<_, Status>(self.native.clone().should_allow(r).await?.into_inner())

@@ -12,6 +12,19 @@ use limiter_proto::limiter::v1::rate_limiter_client::RateLimiterClient;
 use limiter_tests::{ServerProcess, free_addr};
 use tonic::transport::Channel;
 
+/// Every tenant 1,000 an hour on route `/r`, leases of 1 s: the membership tests'
+/// policy, where only who owns a tenant matters.
+pub(crate) const MEMBERSHIP_POLICY: &str = r"
+version: 1
+lease: { ttl: 1s }
+unknown_tenants: use_default
+routes:
+  /r: {}
+tenants:
+  default:
+    limit: { algorithm: fixed_window, limit: 1000, window: 1h }
+";
+
 /// The server binary built for these tests.
 pub(crate) fn bin() -> &'static Path {
     Path::new(env!("CARGO_BIN_EXE_limiter-server-under-test"))

@@ -43,9 +43,12 @@ impl FixedWindow {
         self.window
     }
 
+    /// The count of the window `span` is in. A state of a later window (a caller
+    /// that read the clock before another caller's update of this key landed) counts
+    /// as it stands: reading it as another window's would start the key afresh.
     #[inline]
     fn count(state: &FixedWindowState, span: &Span) -> u64 {
-        if state.window == span.index { state.count } else { 0 }
+        if state.window >= span.index { state.count } else { 0 }
     }
 }
 
@@ -76,7 +79,7 @@ impl Algorithm for FixedWindow {
 
     fn charge(&self, state: &mut Self::State, now: Nanos, cost: u64) {
         let index = self.window.span(now).index;
-        if state.window != index {
+        if state.window < index {
             *state = FixedWindowState { window: index, count: 0 };
         }
         state.count = state.count.saturating_add(cost).min(max_charged(self.limit.get()));
@@ -109,7 +112,7 @@ impl Algorithm for FixedWindow {
         let span = self.window.span(now);
         let count = Self::count(state, &span);
         if count.saturating_add(cost) <= self.limit.get() {
-            *state = FixedWindowState { window: span.index, count: count + cost };
+            *state = FixedWindowState { window: span.index.max(state.window), count: count + cost };
             super::Check::Admit { remaining: self.limit.get() - count - cost }
         } else {
             let cost = cost.min(self.limit.get());
@@ -123,6 +126,24 @@ impl Algorithm for FixedWindow {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_clock_reading_older_than_the_state_forgets_nothing() {
+        let w = FixedWindow::new(NonZeroU64::new(5).unwrap(), NonZeroU64::new(100).unwrap());
+        let mut s = FixedWindowState::default();
+        w.charge(&mut s, 201, 4);
+        assert_eq!(w.remaining(&s, 199), 1, "a stale reading sees the later window's count");
+        assert!(matches!(
+            w.try_acquire(&mut s, 199, 1),
+            super::super::Check::Admit { remaining: 0 }
+        ));
+        w.charge(&mut s, 198, 1);
+        assert_eq!(s, FixedWindowState { window: 2, count: 6 }, "counted in window 2");
+        assert_eq!(w.remaining(&s, 250), 0);
+        assert!(!w.is_idle(&s, 199));
+        w.refund(&mut s, 199, 150, 3);
+        assert_eq!(s, FixedWindowState { window: 2, count: 6 }, "a stale refund changes nothing");
+    }
 
     #[test]
     fn windows_are_aligned_and_reset_at_their_end() {

@@ -39,11 +39,21 @@ struct View {
     elapsed: u64,
     prev: u64,
     curr: u64,
+    /// The window `curr` belongs to: `span.index`, or the state's own when it is
+    /// later (`stale`).
+    index: u64,
+    /// `now` is older than the state's window: a caller that read the clock before
+    /// another caller's update of this key landed.
+    stale: bool,
 }
 
 impl View {
-    /// How much of the previous window the rolling window still covers.
+    /// How much of the previous window the rolling window still covers (all of it
+    /// for a stale view: the most it can weigh).
     fn overlap(&self) -> u64 {
+        if self.stale {
+            return self.span.prev_len;
+        }
         self.span.prev_len.min(self.span.len - self.elapsed)
     }
 }
@@ -72,6 +82,13 @@ impl SlidingCounter {
     fn view(&self, state: &SlidingCounterState, now: Nanos) -> View {
         let span = self.window.span(now);
         let elapsed = now - span.start;
+        if state.window > span.index {
+            // The state is of a later window than `now`: its counts as they stand,
+            // nothing forgotten (reading them as another window's would start the
+            // key afresh), and updates stay in the state's window.
+            let (prev, curr, index) = (state.prev, state.curr, state.window);
+            return View { span, elapsed, prev, curr, index, stale: true };
+        }
         let (prev, curr) = if state.window == span.index {
             (state.prev, state.curr)
         } else if state.window.checked_add(1) == Some(span.index) {
@@ -79,7 +96,7 @@ impl SlidingCounter {
         } else {
             (0, 0)
         };
-        View { span, elapsed, prev, curr }
+        View { span, elapsed, prev, curr, index: span.index, stale: false }
     }
 
     /// `limit*P - prev*o - curr*P`: the room left, scaled by `P` (negative: none).
@@ -156,7 +173,7 @@ impl Algorithm for SlidingCounter {
     fn charge(&self, state: &mut Self::State, now: Nanos, cost: u64) {
         let v = self.view(state, now);
         *state = SlidingCounterState {
-            window: v.span.index,
+            window: v.index,
             curr: v.curr.saturating_add(cost).min(max_charged(self.limit.get())),
             prev: v.prev,
         };
@@ -164,6 +181,11 @@ impl Algorithm for SlidingCounter {
 
     fn refund(&self, state: &mut Self::State, now: Nanos, granted_at: Nanos, units: u64) {
         let v = self.view(state, now);
+        if v.stale {
+            // Which window the grant's units are in cannot be told from a stale
+            // clock: kept (a refund may only lower a count it is sure of).
+            return;
+        }
         let (mut prev, mut curr) = (v.prev, v.curr);
         match self.window.index_near(&v.span, granted_at) {
             Some(i) if i == v.span.index => curr = curr.saturating_sub(units),
@@ -193,6 +215,27 @@ impl Algorithm for SlidingCounter {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_clock_reading_older_than_the_state_forgets_nothing() {
+        // Two callers read the clock either side of a window's start and the later
+        // one's update lands first: the earlier reading must not start the key afresh.
+        let c = SlidingCounter::new(NonZeroU64::new(10).unwrap(), NonZeroU64::new(100).unwrap());
+        let mut s = SlidingCounterState::default();
+        c.charge(&mut s, 150, 10);
+        c.charge(&mut s, 201, 0);
+        assert_eq!(c.remaining(&s, 201), 0);
+        assert_eq!(c.remaining(&s, 199), 0, "a stale reading sees the counts as they stand");
+        c.charge(&mut s, 199, 1);
+        assert_eq!(s, SlidingCounterState { window: 2, curr: 1, prev: 10 }, "counted in window 2");
+        assert_eq!(c.remaining(&s, 202), 0);
+        assert!(!c.is_idle(&s, 199));
+        // A refund read from a stale clock changes nothing.
+        c.refund(&mut s, 199, 199, 1);
+        assert_eq!(s, SlidingCounterState { window: 2, curr: 1, prev: 10 });
+        let retry_after = c.retry_after(&s, 199, 1);
+        assert_eq!(c.try_acquire(&mut s, 199, 1), super::super::Check::Deny { retry_after });
+    }
 
     #[test]
     fn weights_the_previous_window_by_its_overlap() {

@@ -4,6 +4,8 @@
 //! The agent runs against a real owner in-process (huge limits); only hits are
 //! timed and counted: a miss (a lease running out) stops the clock while the agent
 //! refills it, and is not one of the iterations (the figure is the cost of a hit).
+//! Both read the time-stamp counter through `quanta`: the agent its production clock
+//! (`Agent::new`), governor its default clock.
 //!
 //! Run: `cargo bench -p limiter-gateway-agent --bench local_decision`
 
@@ -128,10 +130,9 @@ fn bench(c: &mut Criterion) {
         tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build().unwrap();
     let dir = tempfile::tempdir().unwrap();
     let clock: Arc<dyn Clock> = Arc::new(MonotonicClock::new());
-    let running = owner(&rt, dir.path(), clock.clone());
+    let running = owner(&rt, dir.path(), clock);
     let url = running.url();
-    let agent =
-        rt.block_on(async { Agent::with_clock(AgentConfig::new(url, "bench"), clock).unwrap() });
+    let agent = rt.block_on(async { Agent::new(AgentConfig::new(url, "bench")).unwrap() });
     let keys: Vec<String> = (0..KEYS).map(|i| format!("user-{i}")).collect();
     // Warm up: every key holds a lease, and demand estimates are high.
     for _ in 0..3 {

@@ -143,6 +143,7 @@ pub(super) async fn renew_due(inner: &Inner) -> Option<Nanos> {
     }
     if !forgotten.is_empty() {
         inner.slots.remove(&forgotten);
+        inner.slots.shrink();
     }
     if items.is_empty() {
         return inner.schedule.next();

@@ -1,16 +1,14 @@
-//! The slot map: one slot per (tenant, route, key), each with its local balance and its lease state, in shards that readers load without a lock.
+//! The slot map: one slot per (tenant, route, key), each with its local balance and its lease state, in shards behind reader-writer locks.
 
 use crate::slot::Balance;
-use arc_swap::ArcSwap;
 use limiter_core::clock::Nanos;
 use limiter_core::holder::{Demand, Refusal};
 
 use super::Outcome;
-use parking_lot::Mutex;
-use std::collections::HashMap;
+use parking_lot::RwLock;
 use std::hash::Hash;
 use std::sync::Arc;
-use std::sync::atomic::AtomicU64;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 /// A key's names in one allocation: `tenant`, `route` and `key` back to back.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -132,22 +130,30 @@ impl Slot {
 
 pub(super) type SlotMap = hashbrown::HashTable<Arc<Slot>>;
 
-/// Shards of the key map: a read is a lock-free load of one shard's map; a new key
-/// copies one shard (copy-on-write), a sixty-fourth of the keys.
-pub(super) const SHARDS: usize = 64;
+/// Shards of the key map, each behind a reader-writer lock on its own cache lines: a
+/// lookup takes one shard's read lock (two uncontended atomic operations); a new key
+/// is inserted in place under the shard's write lock.
+pub(super) const SHARDS: usize = 128;
+
+/// One shard, alone on its cache lines (two: adjacent-line prefetch pairs them), so
+/// lookups in different shards do not bounce one line between cores.
+#[repr(align(128))]
+#[derive(Default)]
+pub(super) struct Shard(RwLock<SlotMap>);
 
 pub(super) struct Slots {
-    pub(super) shards: Box<[ArcSwap<SlotMap>]>,
+    pub(super) shards: Box<[Shard]>,
     pub(super) hasher: hashbrown::DefaultHashBuilder,
-    pub(super) write: Mutex<()>,
+    /// Local decisions of keys forgotten so far (their slots are gone).
+    forgotten_hits: AtomicU64,
 }
 
 impl Default for Slots {
     fn default() -> Self {
         Self {
-            shards: (0..SHARDS).map(|_| ArcSwap::default()).collect(),
+            shards: (0..SHARDS).map(|_| Shard::default()).collect(),
             hasher: hashbrown::DefaultHashBuilder::default(),
-            write: Mutex::new(()),
+            forgotten_hits: AtomicU64::new(0),
         }
     }
 }
@@ -161,78 +167,73 @@ impl Slots {
 
     /// The shard of a hash: its high bits (each map probes with the low ones).
     #[inline]
-    pub(super) fn shard(&self, hash: u64) -> &ArcSwap<SlotMap> {
-        &self.shards[(hash >> 58) as usize % SHARDS]
+    fn shard(&self, hash: u64) -> &RwLock<SlotMap> {
+        &self.shards[(hash >> 57) as usize % SHARDS].0
     }
 
-    /// Applies `f` to the key's slot, if there is one.
+    /// Applies `f` to the key's slot, if there is one (under its shard's read lock:
+    /// `f` must not touch the map).
     #[inline]
     pub(super) fn with<T>(&self, r: &SlotRef<'_>, f: impl FnOnce(&Arc<Slot>) -> T) -> Option<T> {
         let hash = self.hash(r);
-        self.shard(hash).load().find(hash, |s| r.matches(&s.key)).map(f)
+        self.shard(hash).read().find(hash, |s| r.matches(&s.key)).map(f)
     }
 
     pub(super) fn get_or_insert(&self, r: &SlotRef<'_>, make: impl FnOnce() -> Slot) -> Arc<Slot> {
         let hash = self.hash(r);
         let shard = self.shard(hash);
-        if let Some(s) = shard.load().find(hash, |s| r.matches(&s.key)) {
+        if let Some(s) = shard.read().find(hash, |s| r.matches(&s.key)) {
             return s.clone();
         }
-        let _w = self.write.lock();
-        let current = shard.load_full();
-        if let Some(s) = current.find(hash, |s| r.matches(&s.key)) {
+        let mut map = shard.write();
+        if let Some(s) = map.find(hash, |s| r.matches(&s.key)) {
             return s.clone();
         }
         let slot = Arc::new(make());
-        let mut next = SlotMap::clone(&current);
-        next.insert_unique(hash, slot.clone(), |s| self.hash(&s.key.as_ref()));
-        shard.store(Arc::new(next));
+        map.insert_unique(hash, slot.clone(), |s| self.hash(&s.key.as_ref()));
         slot
     }
 
-    /// Inserts many new slots at once (one copy of each shard they fall in); a key
-    /// already held keeps its slot.
+    /// Inserts many new slots at once; a key already held keeps its slot.
     pub(super) fn extend(&self, new: Vec<Arc<Slot>>) {
-        let mut by_shard: Vec<Vec<(u64, Arc<Slot>)>> = (0..SHARDS).map(|_| Vec::new()).collect();
         for s in new {
             let hash = self.hash(&s.key.as_ref());
-            by_shard[(hash >> 58) as usize % SHARDS].push((hash, s));
-        }
-        let _w = self.write.lock();
-        for (i, add) in by_shard.into_iter().enumerate() {
-            if add.is_empty() {
-                continue;
+            let mut map = self.shard(hash).write();
+            if map.find(hash, |x| x.key == s.key).is_none() {
+                map.insert_unique(hash, s, |x| self.hash(&x.key.as_ref()));
             }
-            let mut next = SlotMap::clone(&self.shards[i].load_full());
-            next.reserve(add.len(), |s| self.hash(&s.key.as_ref()));
-            for (hash, s) in add {
-                if next.find(hash, |x| x.key == s.key).is_none() {
-                    next.insert_unique(hash, s, |x| self.hash(&x.key.as_ref()));
-                }
-            }
-            self.shards[i].store(Arc::new(next));
         }
     }
 
     pub(super) fn all(&self) -> Vec<Arc<Slot>> {
-        self.shards.iter().flat_map(|s| s.load().iter().cloned().collect::<Vec<_>>()).collect()
+        self.shards.iter().flat_map(|s| s.0.read().iter().cloned().collect::<Vec<_>>()).collect()
+    }
+
+    /// Local decisions made so far, the forgotten keys' included.
+    pub(super) fn hits(&self) -> u64 {
+        let held: u64 =
+            self.shards.iter().map(|s| s.0.read().iter().map(|x| x.balance.hits()).sum::<u64>()).sum();
+        held + self.forgotten_hits.load(Ordering::Relaxed)
     }
 
     pub(super) fn remove(&self, slots: &[Arc<Slot>]) {
-        let mut by_shard: HashMap<usize, Vec<(u64, &Arc<Slot>)>> = HashMap::new();
         for s in slots {
             let hash = self.hash(&s.key.as_ref());
-            by_shard.entry((hash >> 58) as usize % SHARDS).or_default().push((hash, s));
-        }
-        let _w = self.write.lock();
-        for (i, gone) in by_shard {
-            let mut next = SlotMap::clone(&self.shards[i].load_full());
-            for (hash, s) in gone {
-                if let Ok(e) = next.find_entry(hash, |x| Arc::ptr_eq(x, s)) {
-                    e.remove();
-                }
+            let mut map = self.shard(hash).write();
+            if let Ok(e) = map.find_entry(hash, |x| Arc::ptr_eq(x, s)) {
+                e.remove();
+                self.forgotten_hits.fetch_add(s.balance.hits(), Ordering::Relaxed);
             }
-            self.shards[i].store(Arc::new(next));
+        }
+    }
+
+    /// Shrinks shards that forgetting left mostly empty.
+    pub(super) fn shrink(&self) {
+        for s in &*self.shards {
+            let mut map = s.0.write();
+            if map.capacity() > 64 && map.len() < map.capacity() / 4 {
+                map.shrink_to_fit(|x| self.hash(&x.key.as_ref()));
+            }
         }
     }
 }

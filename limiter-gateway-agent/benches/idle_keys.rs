@@ -1,6 +1,8 @@
 //! What idle keys cost an agent: the memory of 1,000,000 keys that hold nothing (as
 //! after their leases went back, before they are forgotten) and the renewer's CPU
-//! while they sit, against the same agent without them, in the same run.
+//! while they sit, against the same agent without them, in the same run; and what a
+//! new key costs with them held (its first request, the owner unreachable: the slot
+//! is made and the route's failure policy answers).
 //!
 //! Run: `cargo bench -p limiter-gateway-agent --bench idle_keys` (prints its figures;
 //! Linux: reads `/proc/self`).
@@ -9,10 +11,12 @@
 
 use std::time::Duration;
 
-use limiter_gateway_agent::{Agent, AgentConfig};
+use limiter_gateway_agent::{Agent, AgentConfig, AgentRequest};
 
 const KEYS: usize = 1_000_000;
 const SPAN: Duration = Duration::from_secs(10);
+/// New keys timed after the idle ones are in.
+const NEW: usize = 20_000;
 
 /// Resident memory, bytes.
 fn rss() -> u64 {
@@ -53,6 +57,24 @@ fn main() {
         // The same agent once more without new work: the figure's noise.
         cpu_over_span(&rt)
     };
+    // New keys while the idle ones are held: the first requests open the breaker
+    // (nothing listens), the rest are a slot made and the failure policy's answer.
+    let names: Vec<String> = (0..NEW).map(|i| format!("new-{i:08}")).collect();
+    let ask = |key: &str| {
+        let req = AgentRequest { tenant: "tenant", route: "/route", key: Some(key), cost: 1 };
+        rt.block_on(agent.decide(&req)).unwrap();
+    };
+    ask("warm-0");
+    ask("warm-1");
+    #[allow(clippy::disallowed_methods)] // measuring wall time
+    let started = std::time::Instant::now();
+    for k in &names {
+        ask(k);
+    }
+    let per_new = started.elapsed().as_secs_f64() * 1e6 / NEW as f64;
+    println!(
+        "new keys with {KEYS} held: {per_new:.1} us each (slot made, failure policy answered)"
+    );
     let per_key = held as f64 / KEYS as f64;
     println!(
         "idle keys: {KEYS} held, {per_key:.0} bytes each resident ({:.0} beyond the key's own {} \

@@ -211,8 +211,11 @@ impl Slots {
 
     /// Local decisions made so far, the forgotten keys' included.
     pub(super) fn hits(&self) -> u64 {
-        let held: u64 =
-            self.shards.iter().map(|s| s.0.read().iter().map(|x| x.balance.hits()).sum::<u64>()).sum();
+        let held: u64 = self
+            .shards
+            .iter()
+            .map(|s| s.0.read().iter().map(|x| x.balance.hits()).sum::<u64>())
+            .sum();
         held + self.forgotten_hits.load(Ordering::Relaxed)
     }
 

@@ -166,7 +166,8 @@ impl Agent {
     }
 
     /// The fast path: a decision from the local balance, or `None` when the owner is
-    /// needed. Atomics only: no lock, no allocation, no await.
+    /// needed. No allocation, no await: a read lock on one shard of the key map and
+    /// atomics on the key's balance.
     #[inline]
     pub fn decide_local(&self, req: &AgentRequest<'_>) -> Option<Outcome> {
         self.spend_local(req).map(Outcome::local)

@@ -186,14 +186,14 @@ async fn run(limits: &[u64], demand: &[f64]) -> f64 {
     let sum = |f: fn(&limiter_gateway_agent::AgentStats) -> u64| stats.iter().map(f).sum::<u64>();
     let per_1000 = |n: u64| n as f64 * 1_000.0 / arrivals.len() as f64;
     let local = sum(|s| s.local + s.refused_locally);
-    // Service time per decision (this test runs a debug build: the release figures
+    // Service time per decision (this test runs the test build: the release figures
     // are the load test's).
     let mut took: Vec<u64> = arrivals.iter().map(|a| a.3 - a.2).collect();
     took.sort_unstable();
     let at = |q: f64| took[((took.len() as f64 * q) as usize).min(took.len() - 1)] / 1_000;
     let _ = writeln!(
         report,
-        "service time (debug build): p50 {} us, p99 {} us, p99.9 {} us",
+        "service time (test build): p50 {} us, p99 {} us, p99.9 {} us",
         at(0.5),
         at(0.99),
         at(0.999)

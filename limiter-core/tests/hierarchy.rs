@@ -351,3 +351,32 @@ tenants:
     );
     assert!(ask("k6", 5, later + 60 * NANOS_PER_SEC).is_allowed());
 }
+
+/// Callers read the clock before they reach a key, so a decision may land after a
+/// later one: one read just before a window's start, arriving after the window has
+/// filled, is refused, and the window stays full (it used to start afresh).
+#[test]
+fn a_decision_landing_late_across_a_window_start_starts_nothing_afresh() {
+    for algorithm in ["fixed_window", "sliding_counter"] {
+        let p = policy(&format!(
+            "version: 1\ntenants:\n  t:\n    routes:\n      /r: {{ algorithm: {algorithm}, limit: 10, window: 1s }}\n"
+        ));
+        let l = Limiter::new(1_000);
+        let second = NANOS_PER_SEC;
+        // The first window is empty: the second one's full limit is admitted.
+        for i in 0..10 {
+            assert!(decide(&l, &p, Request::new("t", "/r"), second + i).is_allowed());
+        }
+        // Read at the last nanosecond of the first window, decided after those.
+        assert!(
+            !decide(&l, &p, Request::new("t", "/r"), second - 1).is_allowed(),
+            "{algorithm}: the late decision sees the full window"
+        );
+        let later: usize = (0..10)
+            .filter(|i| {
+                decide(&l, &p, Request::new("t", "/r"), second + second / 2 + i).is_allowed()
+            })
+            .count();
+        assert_eq!(later, 0, "{algorithm}: the window kept its count");
+    }
+}

@@ -103,9 +103,15 @@ async fn leased_agents_stay_within_the_limits_and_use_them() {
     assert!(local >= 0.2, "decided locally: {:.1}%", local * 100.0);
 }
 
+/// One workload at a time: each offers its load open-loop to one owner and ten
+/// agents, and two at once on two cores starve each other's owner (a sliding log's
+/// holds of 50 ms then lapse unspent: 94.9% of the limit used, measured).
+static ONE_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
 /// Runs the workload (`demand[t]`: how many times its limit tenant `t` is offered),
 /// judges it, and returns the share of decisions made locally.
 async fn run(limits: &[u64], demand: &[f64]) -> f64 {
+    let _alone = ONE_AT_A_TIME.lock().await;
     let tenants = limits.len();
     let text = policy(limits);
     let clock: Arc<dyn Clock> = Arc::new(MonotonicClock::new());

@@ -143,7 +143,6 @@ pub(super) async fn renew_due(inner: &Inner) -> Option<Nanos> {
     }
     if !forgotten.is_empty() {
         inner.slots.remove(&forgotten);
-        inner.slots.shrink();
     }
     if items.is_empty() {
         return inner.schedule.next();

@@ -139,11 +139,11 @@ pub(super) const SHARDS: usize = 128;
 /// lookups in different shards do not bounce one line between cores.
 #[repr(align(128))]
 #[derive(Default)]
-pub(super) struct Shard(RwLock<SlotMap>);
+struct Shard(RwLock<SlotMap>);
 
 pub(super) struct Slots {
-    pub(super) shards: Box<[Shard]>,
-    pub(super) hasher: hashbrown::DefaultHashBuilder,
+    shards: Box<[Shard]>,
+    hasher: hashbrown::DefaultHashBuilder,
     /// Local decisions of keys forgotten so far (their slots are gone).
     forgotten_hits: AtomicU64,
 }
@@ -219,6 +219,8 @@ impl Slots {
         held + self.forgotten_hits.load(Ordering::Relaxed)
     }
 
+    /// Forgets `slots`; a shard they leave mostly empty is shrunk (only the shards
+    /// they were in are locked).
     pub(super) fn remove(&self, slots: &[Arc<Slot>]) {
         for s in slots {
             let hash = self.hash(&s.key.as_ref());
@@ -227,13 +229,6 @@ impl Slots {
                 e.remove();
                 self.forgotten_hits.fetch_add(s.balance.hits(), Ordering::Relaxed);
             }
-        }
-    }
-
-    /// Shrinks shards that forgetting left mostly empty.
-    pub(super) fn shrink(&self) {
-        for s in &*self.shards {
-            let mut map = s.0.write();
             if map.capacity() > 64 && map.len() < map.capacity() / 4 {
                 map.shrink_to_fit(|x| self.hash(&x.key.as_ref()));
             }

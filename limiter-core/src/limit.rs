@@ -1,4 +1,4 @@
-//! A limit of any of the four algorithms, and its per-key state.
+//! A limit of any of the five algorithms, and its per-key state.
 //!
 //! `Limit` implements [`Algorithm`] by dispatching to the algorithm it holds. A state
 //! of another algorithm (left by a policy reload that changed the limit) reads as a
@@ -7,8 +7,8 @@
 use std::fmt;
 
 use crate::algorithm::{
-    Algorithm, Check, FixedWindow, FixedWindowState, SlidingCounter, SlidingCounterState,
-    SlidingLog, SlidingLogState, TokenBucket, TokenBucketState,
+    Algorithm, Check, Concurrency, ConcurrencyState, FixedWindow, FixedWindowState, SlidingCounter,
+    SlidingCounterState, SlidingLog, SlidingLogState, TokenBucket, TokenBucketState,
 };
 use crate::clock::Nanos;
 use crate::rate::DurationText;
@@ -24,6 +24,8 @@ pub enum Limit {
     SlidingLog(SlidingLog),
     /// See [`SlidingCounter`].
     SlidingCounter(SlidingCounter),
+    /// See [`Concurrency`].
+    Concurrency(Concurrency),
 }
 
 /// The algorithm of a limit, as a bounded label (metrics, logs, the policy file).
@@ -37,12 +39,19 @@ pub enum AlgorithmKind {
     SlidingLog,
     /// `sliding_counter`
     SlidingCounter,
+    /// `concurrency`
+    Concurrency,
 }
 
 impl AlgorithmKind {
     /// Every kind, in a stable order.
-    pub const ALL: [Self; 4] =
-        [Self::TokenBucket, Self::FixedWindow, Self::SlidingLog, Self::SlidingCounter];
+    pub const ALL: [Self; 5] = [
+        Self::TokenBucket,
+        Self::FixedWindow,
+        Self::SlidingLog,
+        Self::SlidingCounter,
+        Self::Concurrency,
+    ];
 
     /// The name used in policy files and labels.
     pub fn as_str(self) -> &'static str {
@@ -51,6 +60,7 @@ impl AlgorithmKind {
             Self::FixedWindow => "fixed_window",
             Self::SlidingLog => "sliding_log",
             Self::SlidingCounter => "sliding_counter",
+            Self::Concurrency => "concurrency",
         }
     }
 }
@@ -70,6 +80,8 @@ pub enum LimitState {
     SlidingLog(Box<SlidingLogState>),
     /// Sliding counter state.
     SlidingCounter(SlidingCounterState),
+    /// Concurrency state (permits in use by expiry).
+    Concurrency(Box<ConcurrencyState>),
 }
 
 impl Limit {
@@ -80,6 +92,7 @@ impl Limit {
             Self::FixedWindow(_) => AlgorithmKind::FixedWindow,
             Self::SlidingLog(_) => AlgorithmKind::SlidingLog,
             Self::SlidingCounter(_) => AlgorithmKind::SlidingCounter,
+            Self::Concurrency(_) => AlgorithmKind::Concurrency,
         }
     }
 
@@ -92,7 +105,13 @@ impl Limit {
             Self::FixedWindow(w) => (w.limit().get(), w.window().nominal()),
             Self::SlidingLog(w) => (w.limit().get(), w.window().get()),
             Self::SlidingCounter(w) => (w.limit().get(), w.window().nominal()),
+            Self::Concurrency(c) => (c.limit().get(), c.permit_ttl().get()),
         }
+    }
+
+    /// Whether this is a concurrency limit (permits held, not units spent).
+    pub fn is_concurrency(&self) -> bool {
+        matches!(self, Self::Concurrency(_))
     }
 
     /// Like [`Self::quota`], with a calendar window's real length at `now` (a day
@@ -115,6 +134,9 @@ impl Limit {
         match (self, old) {
             (Self::FixedWindow(a), Self::FixedWindow(b)) => a.window() == b.window(),
             (Self::SlidingCounter(a), Self::SlidingCounter(b)) => a.window() == b.window(),
+            // Permits in use stay in use whatever the new limit or TTL: each expires
+            // when it was going to.
+            (Self::Concurrency(_), Self::Concurrency(_)) => true,
             (a, b) => a == b,
         }
     }
@@ -148,6 +170,12 @@ impl fmt::Display for Limit {
             Self::SlidingCounter(w) => {
                 write!(f, "sliding_counter {} per {}", w.limit(), w.window())
             }
+            Self::Concurrency(c) => write!(
+                f,
+                "concurrency {} permits, ttl {}",
+                c.limit(),
+                DurationText(c.permit_ttl().get())
+            ),
         }
     }
 }
@@ -161,6 +189,7 @@ macro_rules! with_state {
             (Limit::FixedWindow($alg), LimitState::FixedWindow($st)) => $body,
             (Limit::SlidingLog($alg), LimitState::SlidingLog($st)) => $body,
             (Limit::SlidingCounter($alg), LimitState::SlidingCounter($st)) => $body,
+            (Limit::Concurrency($alg), LimitState::Concurrency($st)) => $body,
             (Limit::TokenBucket($alg), _) => {
                 let $st = &TokenBucketState::default();
                 $body
@@ -175,6 +204,10 @@ macro_rules! with_state {
             }
             (Limit::SlidingCounter($alg), _) => {
                 let $st = &SlidingCounterState::default();
+                $body
+            }
+            (Limit::Concurrency($alg), _) => {
+                let $st = &ConcurrencyState::default();
                 $body
             }
         }
@@ -214,6 +247,13 @@ macro_rules! with_state_mut {
                 let LimitState::SlidingCounter($st) = state else { unreachable!() };
                 $body
             }
+            Limit::Concurrency($alg) => {
+                if !matches!(state, LimitState::Concurrency(_)) {
+                    *state = LimitState::Concurrency(Box::default());
+                }
+                let LimitState::Concurrency($st) = state else { unreachable!() };
+                $body
+            }
         }
     }};
 }
@@ -227,6 +267,7 @@ impl Algorithm for Limit {
             Self::FixedWindow(a) => a.capacity(),
             Self::SlidingLog(a) => a.capacity(),
             Self::SlidingCounter(a) => a.capacity(),
+            Self::Concurrency(a) => a.capacity(),
         }
     }
 
@@ -262,6 +303,7 @@ impl Algorithm for Limit {
             (Self::FixedWindow(a), LimitState::FixedWindow(s)) => a.plausible(s, now, skew),
             (Self::SlidingLog(a), LimitState::SlidingLog(s)) => a.plausible(s, now, skew),
             (Self::SlidingCounter(a), LimitState::SlidingCounter(s)) => a.plausible(s, now, skew),
+            (Self::Concurrency(a), LimitState::Concurrency(s)) => a.plausible(s, now, skew),
             _ => false,
         }
     }
@@ -272,6 +314,7 @@ impl Algorithm for Limit {
             Self::FixedWindow(a) => a.grant_hold(now, hold),
             Self::SlidingLog(a) => a.grant_hold(now, hold),
             Self::SlidingCounter(a) => a.grant_hold(now, hold),
+            Self::Concurrency(a) => a.grant_hold(now, hold),
         }
     }
 
@@ -281,6 +324,7 @@ impl Algorithm for Limit {
             Self::FixedWindow(a) => a.grant_stamp(now, hold),
             Self::SlidingLog(a) => a.grant_stamp(now, hold),
             Self::SlidingCounter(a) => a.grant_stamp(now, hold),
+            Self::Concurrency(a) => a.grant_stamp(now, hold),
         }
     }
 

@@ -480,7 +480,9 @@ impl StateTable {
     }
 
     /// Makes room in a full shard: idle entries first, then an eighth of the live
-    /// ones, the least used and then the least recently used.
+    /// ones, the least used and then the least recently used. Permits in use are
+    /// never evicted (forgetting them would admit past a concurrency limit): such a
+    /// state leaves when its last permit is released or expires.
     fn make_room(&self, map: &mut HashTable<Slot>, now: Nanos) {
         if self.drop_idle(map, now) > 0 {
             return;
@@ -491,7 +493,7 @@ impl StateTable {
         let threshold = *threshold;
         let mut budget = cut;
         map.retain(|s| {
-            if budget > 0 && (s.uses(), s.last_seen()) <= threshold {
+            if budget > 0 && (s.uses(), s.last_seen()) <= threshold && !s.limit.is_concurrency() {
                 budget -= 1;
                 self.forget(s);
                 false

@@ -296,9 +296,13 @@ fn the_shipped_example_loads_and_uses_every_algorithm_and_level() {
     let mut kinds = Vec::new();
     let mut scopes = Vec::new();
     let limiter = Limiter::new(1_000);
-    for (tenant, route) in
-        [("acme", "/search"), ("acme", "/export"), ("globex", "/payments"), ("someone", "/search")]
-    {
+    for (tenant, route) in [
+        ("acme", "/search"),
+        ("acme", "/export"),
+        ("acme", "/payments"),
+        ("globex", "/payments"),
+        ("someone", "/search"),
+    ] {
         let chain =
             p.resolve(&Request::new(tenant, route).with_key("k"), &NameBounds::default()).unwrap();
         for l in chain.levels() {
@@ -409,4 +413,54 @@ fn budget_lists_are_checked() {
     .unwrap();
     let names: Vec<&str> = p.tenants["acme"].limit.iter().map(|r| &*r.name).collect();
     assert_eq!(names, ["tenant_1", "tenant_2"]);
+}
+
+#[test]
+fn concurrency_limits_take_a_limit_and_a_permit_ttl() {
+    let p = from_yaml(
+        &format!("{HEAD}    limit: {{ algorithm: concurrency, limit: 3, permit_ttl: 30s }}\n"),
+        "policies.yaml",
+    )
+    .unwrap();
+    let chain = p.resolve(&Request::new("acme", "/r"), &NameBounds::default()).unwrap();
+    let limiter = Limiter::new(100);
+    for _ in 0..3 {
+        assert!(limiter.decide(&chain, 0).admitted());
+    }
+    assert!(!limiter.decide(&chain, 29_000_000_000).admitted(), "held until the TTL");
+    assert!(limiter.decide(&chain, 32_000_000_000).admitted(), "reclaimed after it");
+    one(
+        &format!("{HEAD}    limit: {{ algorithm: concurrency, limit: 3 }}\n"),
+        4,
+        "tenants.acme.limit.permit_ttl",
+        "missing required field",
+    );
+    one(
+        &format!("{HEAD}    limit: {{ algorithm: concurrency, limit: 3, permit_ttl: 100ms }}\n"),
+        4,
+        "tenants.acme.limit.permit_ttl",
+        "a permit lives 1s to 1d",
+    );
+    one(
+        &format!(
+            "{HEAD}    limit: {{ algorithm: concurrency, limit: 3, permit_ttl: 5s, window: 1s }}\n"
+        ),
+        4,
+        "tenants.acme.limit.window",
+        "does not apply to concurrency",
+    );
+    one(
+        &format!(
+            "{HEAD}    limit: {{ algorithm: fixed_window, limit: 3, window: 1s, permit_ttl: 5s }}\n"
+        ),
+        4,
+        "tenants.acme.limit.permit_ttl",
+        "does not apply to fixed_window",
+    );
+    one(
+        &format!("{HEAD}    limit: {{ algorithm: concurrency, limit: 0, permit_ttl: 5s }}\n"),
+        4,
+        "tenants.acme.limit.limit",
+        "",
+    );
 }

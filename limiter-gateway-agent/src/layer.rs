@@ -6,6 +6,11 @@
 //! and the reason in `x-ratelimit-reason`; `LIMITER_UNAVAILABLE` (a fail-closed route
 //! whose owner is unreachable) becomes `503 Service Unavailable`; a request that can
 //! never succeed (a cost above the limit) becomes `400 Bad Request`.
+//!
+//! An admission that holds permits of a concurrency level keeps them for the life of
+//! the inner service's call: renewed at half their time left while it runs, released
+//! when it returns its response, and released as well when the request is dropped
+//! unfinished (the client went away), by a guard's `Drop`.
 
 use std::future::Future;
 use std::pin::Pin;
@@ -16,7 +21,7 @@ use limiter_core::Reason;
 use limiter_core::headers;
 use tower::{Layer, Service};
 
-use crate::agent::{Agent, AgentRequest, Outcome};
+use crate::agent::{Agent, AgentRequest, Outcome, Permit};
 
 /// What a request is, for the limiter.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -107,6 +112,7 @@ impl<S, C, B, RB> Service<Request<B>> for RateLimit<S, C>
 where
     S: Service<Request<B>, Response = Response<RB>> + Clone + Send + 'static,
     S::Future: Send,
+    S::Error: Send,
     B: Send + 'static,
     RB: Default + Send + 'static,
     C: Classify<B>,
@@ -138,6 +144,10 @@ where
                 None => agent.decide(&ask).await,
             };
             match outcome {
+                Ok(Outcome { allowed: true, permit: Some(permit), .. }) => {
+                    let guard = PermitGuard { agent: agent.clone(), permit: Some(permit) };
+                    guard.hold(inner.call(req)).await
+                }
                 Ok(o) if o.allowed => inner.call(req).await,
                 Ok(o) => Ok(rejection(&o)),
                 Err(_) => {
@@ -147,5 +157,53 @@ where
                 }
             }
         })
+    }
+}
+
+/// A request's permits, released when dropped: when its response is ready, or when
+/// the request is dropped before (the client went away).
+struct PermitGuard {
+    agent: Agent,
+    permit: Option<Permit>,
+}
+
+impl PermitGuard {
+    /// Runs `call` holding the permits, renewing them at half their time left.
+    async fn hold<F: Future>(self, call: F) -> F::Output {
+        let mut call = std::pin::pin!(call);
+        let mut left = self.permit.as_ref().map_or(u64::MAX, |p| p.expires_in);
+        loop {
+            let wait = std::time::Duration::from_nanos(left / 2);
+            tokio::select! {
+                out = &mut call => return out,
+                () = tokio::time::sleep(wait) => {
+                    let Some(p) = &self.permit else { return call.await };
+                    match self.agent.renew(p).await {
+                        Ok(l) => left = l,
+                        // Expired or unreachable: the call goes on; the permits are
+                        // the owner's again at their TTL (counted on the owner).
+                        Err(e) => {
+                            tracing::debug!(error = %e, "permit not renewed");
+                            return call.await;
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+impl Drop for PermitGuard {
+    fn drop(&mut self) {
+        let Some(p) = self.permit.take() else { return };
+        let agent = self.agent.clone();
+        // A guard dropped outside a runtime leaves the permits to their TTL.
+        if let Ok(rt) = tokio::runtime::Handle::try_current() {
+            rt.spawn(async move {
+                if let Err(e) = agent.release(&p).await {
+                    tracing::debug!(error = %e, "permit not released: it expires at its TTL");
+                }
+            });
+        }
     }
 }

@@ -81,3 +81,93 @@ async fn a_fail_closed_route_without_its_owner_answers_503() {
     assert_eq!(status, 503, "{head}");
     assert!(head.contains("x-ratelimit-reason: limiter_unavailable"), "{head}");
 }
+
+type Boxed = tower::util::BoxCloneService<
+    http::Request<String>,
+    http::Response<String>,
+    std::convert::Infallible,
+>;
+
+fn export(wait: bool) -> http::Request<String> {
+    let mut b = http::Request::builder().uri("/export");
+    if wait {
+        b = b.header("wait", "yes");
+    }
+    b.body(String::new()).unwrap()
+}
+
+/// A request that finishes at once: its status.
+async fn quick(svc: &Boxed) -> u16 {
+    use tower::ServiceExt as _;
+    svc.clone().oneshot(export(false)).await.unwrap().status().as_u16()
+}
+
+/// Whether a quick request is admitted within a second: sooner than a permit of 3 s
+/// renewed at half its time left (1.4 s left at least) could expire, so only a
+/// release explains it.
+async fn admitted_soon(svc: &Boxed) -> bool {
+    for _ in 0..20 {
+        if quick(svc).await == 200 {
+            return true;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+    false
+}
+
+/// A request's permits of a concurrency level are held for the life of the inner
+/// call (renewed past their TTL), released when it answers, and released when the
+/// request is dropped unfinished.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_holds_its_permit_for_its_life_and_gives_it_back_when_done_or_dropped() {
+    use std::time::Duration;
+    use tower::{Layer as _, ServiceExt as _};
+
+    let policy = "version: 1\ntenants:\n  acme:\n    routes:\n      /export: { algorithm: concurrency, limit: 2, permit_ttl: 3s }\n";
+    let clock: Arc<dyn Clock> = Arc::new(MonotonicClock::new());
+    let owner = Owner::start(policy, clock.clone()).await;
+    let agent = Agent::with_clock(AgentConfig::new(owner.url(), "edge"), clock).unwrap();
+    // `wait` requests finish when the test lets one go; the others at once.
+    let gate = Arc::new(tokio::sync::Semaphore::new(0));
+    let g = gate.clone();
+    let inner = tower::service_fn(move |req: http::Request<String>| {
+        let g = g.clone();
+        async move {
+            if req.headers().contains_key("wait") {
+                g.acquire().await.unwrap().forget();
+            }
+            Ok::<_, std::convert::Infallible>(http::Response::new(String::new()))
+        }
+    });
+    let classify = |_: &http::Request<String>| {
+        Some(RequestInfo { tenant: "acme".into(), route: "/export".into(), key: None, cost: 1 })
+    };
+    let svc: Boxed = Boxed::new(RateLimitLayer::new(agent, classify).layer(inner));
+    let a = tokio::spawn(svc.clone().oneshot(export(true)));
+    let b = tokio::spawn(svc.clone().oneshot(export(true)));
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(quick(&svc).await, 429, "both permits are held");
+    // Past the permits' TTL: renewed while their calls run.
+    tokio::time::sleep(Duration::from_millis(3_300)).await;
+    assert_eq!(quick(&svc).await, 429, "still held after their first TTL");
+    // One call answers: its permit comes back.
+    gate.add_permits(1);
+    assert!(admitted_soon(&svc).await, "released when the response was ready");
+    let (mut a, mut b) = (a, b);
+    let (done, held) = tokio::select! {
+        r = &mut a => (r, b),
+        r = &mut b => (r, a),
+    };
+    assert_eq!(done.unwrap().unwrap().status(), 200);
+    // Another long call takes the free permit (once the last quick request's
+    // release, sent after its response, has landed); the held one is dropped
+    // unfinished.
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let c = tokio::spawn(svc.clone().oneshot(export(true)));
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(quick(&svc).await, 429);
+    held.abort();
+    assert!(admitted_soon(&svc).await, "released when the request was dropped");
+    gate.add_permits(1);
+    assert_eq!(c.await.unwrap().unwrap().status(), 200);
+}

@@ -84,6 +84,7 @@ pub(crate) fn algorithm(k: AlgorithmKind) -> pb::Algorithm {
         AlgorithmKind::FixedWindow => pb::Algorithm::FixedWindow,
         AlgorithmKind::SlidingLog => pb::Algorithm::SlidingLog,
         AlgorithmKind::SlidingCounter => pb::Algorithm::SlidingCounter,
+        AlgorithmKind::Concurrency => pb::Algorithm::Concurrency,
     }
 }
 

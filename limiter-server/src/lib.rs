@@ -197,10 +197,19 @@ impl Server {
             ),
         };
         let max_log = config.limits.max_log_entries;
+        let clustered = config.cluster.membership != Membership::Single;
+        let envoy_route = config.envoy.default_route.clone();
+        let permits = move |p: &limiter_core::policy::Policy| {
+            owner::check_concurrency(p, clustered, envoy_route.as_deref())
+        };
         let check: owner::reload::Check = match &store {
-            Store::Memory(_) => Arc::new(move |p| store::check_log_sizes(p, max_log)),
+            Store::Memory(_) => {
+                Arc::new(move |p| store::check_log_sizes(p, max_log).and(permits(p)))
+            }
             Store::Redis(_) => Arc::new(move |p| {
-                store::check_log_sizes(p, max_log).and(store::redis::check_policy(p))
+                store::check_log_sizes(p, max_log)
+                    .and(store::redis::check_policy(p))
+                    .and(permits(p))
             }),
         };
         let policies = Arc::new(PolicyHolder::load_checked(

@@ -115,6 +115,13 @@ pub const REPLICATION_MESSAGES: &str = "limiter_replication_messages_total";
 pub const REPLICATION_FULL: &str = "limiter_replication_full_copies_total";
 /// Tenants a node took over from a lost owner's replica.
 pub const REPLICA_TAKEOVERS: &str = "limiter_replica_takeovers_total";
+/// Permits of concurrency levels, by `event`: `acquired`, `released`, `renewed`,
+/// `late_release` (a release of a permit no longer held: released already, expired or
+/// forgotten; nothing changes), `late_renewal` (refused), `forgotten` (dropped from a
+/// full book; its units come back at expiry).
+pub const PERMITS: &str = "limiter_permits_total";
+/// Permits of concurrency levels held now (named in this node's book), and their units.
+pub const PERMITS_HELD: &str = "limiter_permits_held";
 /// Tenants (or root keys, or evicted live counters) whose counters began afresh, by
 /// `reason`.
 pub const STATE_RESETS: &str = "limiter_state_resets_total";
@@ -164,12 +171,20 @@ pub fn handle() -> &'static PrometheusHandle {
         metrics::gauge!(RING_MEMBERS).set(1.0);
         metrics::gauge!(RING_EPOCH).set(0.0);
         metrics::gauge!(MEMBERSHIP_AGE).set(0.0);
+        for event in PERMIT_EVENTS {
+            metrics::counter!(PERMITS, "event" => *event).increment(0);
+        }
+        metrics::gauge!(PERMITS_HELD).set(0.0);
         for reason in RESET_REASONS {
             metrics::counter!(STATE_RESETS, "reason" => *reason).increment(0);
         }
         handle
     })
 }
+
+/// What happens to permits (the `event` label of [`PERMITS`]).
+pub const PERMIT_EVENTS: &[&str] =
+    &["acquired", "released", "renewed", "late_release", "late_renewal", "forgotten"];
 
 /// Why counters began afresh: owner and replica both lost; the replica held was
 /// behind (incomplete, stale, or from another ring); no replica was kept; a live
@@ -199,6 +214,8 @@ fn describe() {
     describe_gauge!(POLICY_VERSION, "Version of the active policy.");
     describe_gauge!(POLICY_LOADED, Unit::Seconds, "When the active policy was loaded.");
     describe_counter!(COST_REPORTS, "Costs settled after the fact, by direction.");
+    describe_counter!(PERMITS, "Permits of concurrency levels, by event.");
+    describe_gauge!(PERMITS_HELD, "Permits of concurrency levels held at this node.");
     describe_counter!(COST_REPORT_UNITS, "Units settled after the fact, by direction.");
     describe_gauge!(BUILD_INFO, "Build information.");
     describe_gauge!(READY, "1 while ready to serve.");

@@ -28,9 +28,11 @@ pub fn load_policy(path: &Path) -> anyhow::Result<Policy> {
         .map_err(|e| anyhow::anyhow!("{e}"))
 }
 
-/// A level's limit as the reference's spec.
-pub fn spec_of(limit: &Limit) -> Spec {
-    match limit {
+/// A level's limit as the reference's spec; `None` for a concurrency limit (its
+/// permits are held for a request's life, which the records do not carry: such a
+/// level is judged by its own tests, not by this replay).
+pub fn spec_of(limit: &Limit) -> Option<Spec> {
+    Some(match limit {
         Limit::TokenBucket(b) => Spec::TokenBucket {
             amount: b.rate().amount().get(),
             period: b.rate().period().get(),
@@ -55,7 +57,8 @@ pub fn spec_of(limit: &Limit) -> Spec {
                 Spec::CalendarCounter { limit: w.limit().get(), starts: calendar_starts(c) }
             }
         },
-    }
+        Limit::Concurrency(_) => return None,
+    })
 }
 
 /// A calendar rule's window starts from two years before this process started to
@@ -82,7 +85,7 @@ fn calendar_starts(c: Calendar) -> Starts {
 
 /// A chain's levels as `(key, spec)` pairs for the reference.
 pub fn levels_of(chain: &Chain<'_>) -> Vec<(String, Spec)> {
-    chain.levels().map(|l| (l.key.to_string(), spec_of(&l.rule.limit))).collect()
+    chain.levels().filter_map(|l| Some((l.key.to_string(), spec_of(&l.rule.limit)?))).collect()
 }
 
 /// The chain the policy gives record `r` (`None`: the request is refused outright).

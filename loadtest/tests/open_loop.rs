@@ -32,6 +32,18 @@ impl RateLimiter for Slow {
     ) -> Result<Response<pb::ReportCostResponse>, Status> {
         Err(Status::unimplemented("slow test server"))
     }
+    async fn release(
+        &self,
+        _: Request<pb::ReleaseRequest>,
+    ) -> Result<Response<pb::ReleaseResponse>, Status> {
+        Err(Status::unimplemented("slow test server"))
+    }
+    async fn renew(
+        &self,
+        _: Request<pb::RenewRequest>,
+    ) -> Result<Response<pb::RenewResponse>, Status> {
+        Err(Status::unimplemented("slow test server"))
+    }
     async fn usage(
         &self,
         _: Request<pb::UsageRequest>,

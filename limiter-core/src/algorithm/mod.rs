@@ -1,16 +1,18 @@
-//! The four algorithms. Each is a small immutable description (`TokenBucket`, ...)
+//! The five algorithms (four rates and a concurrency limit). Each is a small immutable description (`TokenBucket`, ...)
 //! plus a per-key state; every query takes the state by reference and `now` as an
 //! argument, so a check never mutates, and only `charge` and `refund` do.
 //!
-//! One property holds for all four and the hierarchy relies on it: a cost `c` (with
+//! One property holds for all five and the hierarchy relies on it: a cost `c` (with
 //! `c <= capacity`) is admissible now exactly when `c <= remaining(now)`.
 
+mod concurrency;
 mod fixed_window;
 mod sliding_counter;
 mod sliding_log;
 mod token_bucket;
 mod window;
 
+pub use concurrency::{Concurrency, ConcurrencyState};
 pub use fixed_window::{FixedWindow, FixedWindowState};
 pub use sliding_counter::{SlidingCounter, SlidingCounterState};
 pub use sliding_log::{SlidingLog, SlidingLogState};

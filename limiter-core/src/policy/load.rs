@@ -11,10 +11,13 @@ use super::{
     Budgets, FailurePolicy, LeaseSettings, LimitRule, Map, Policy, RouteSpec, TenantRouteSpec,
     TenantSpec, UnknownTenants,
 };
-use crate::algorithm::{Algorithm, FixedWindow, SlidingCounter, SlidingLog, TokenBucket, Window};
+use crate::algorithm::{
+    Algorithm, Concurrency, FixedWindow, SlidingCounter, SlidingLog, TokenBucket, Window,
+};
 use crate::calendar::{Calendar, CalendarError, CalendarUnit, WeekStart};
+use crate::clock::Nanos;
 use crate::limit::{AlgorithmKind, Limit};
-use crate::rate::{self, MAX_AMOUNT, Rate, RateError};
+use crate::rate::{self, DurationText, MAX_AMOUNT, Rate, RateError};
 
 /// The policy schema version this build reads.
 pub const SCHEMA_VERSION: i128 = 1;
@@ -22,6 +25,16 @@ pub const SCHEMA_VERSION: i128 = 1;
 /// The largest `limit` of a sliding log: its state holds up to one entry per unit,
 /// so this bounds its memory per key (16 bytes an entry, 1.6 MB at most).
 pub const SLIDING_LOG_MAX_LIMIT: u64 = 100_000;
+
+/// The largest `limit` of a concurrency level: permits are named one by one in the
+/// owner's book (about 100 bytes each), so this bounds a level's book.
+pub const CONCURRENCY_MAX_LIMIT: u64 = 1_000_000;
+
+/// The shortest `permit_ttl`: a holder renews within it, and a renewal is a call.
+pub const PERMIT_TTL_MIN: Nanos = 1_000_000_000;
+
+/// The longest `permit_ttl`: what a crashed holder's permits cost at most.
+pub const PERMIT_TTL_MAX: Nanos = 24 * 3_600_000_000_000;
 
 /// The name of the tenant whose limits apply to unlisted tenants.
 pub const DEFAULT_TENANT: &str = "default";
@@ -562,6 +575,7 @@ impl Cx<'_> {
             "align",
             "timezone",
             "week_start",
+            "permit_ttl",
         ];
         let allowed: Vec<&str> = COMMON.iter().chain(extra).copied().collect();
         let Some(f) = self.fields(node, path, &allowed) else { return (None, None) };
@@ -584,12 +598,17 @@ impl Cx<'_> {
         };
         let (wanted, unwanted): (&[&str], &[&str]) = match kind {
             AlgorithmKind::TokenBucket => {
-                (&["rate"], &["limit", "window", "align", "timezone", "week_start"])
+                (&["rate"], &["limit", "window", "align", "timezone", "week_start", "permit_ttl"])
             }
-            AlgorithmKind::SlidingLog => {
-                (&["limit", "window"], &["rate", "burst", "align", "timezone", "week_start"])
-            }
-            _ => (&["limit", "window"], &["rate", "burst"]),
+            AlgorithmKind::SlidingLog => (
+                &["limit", "window"],
+                &["rate", "burst", "align", "timezone", "week_start", "permit_ttl"],
+            ),
+            AlgorithmKind::Concurrency => (
+                &["limit", "permit_ttl"],
+                &["rate", "burst", "window", "align", "timezone", "week_start"],
+            ),
+            _ => (&["limit", "window"], &["rate", "burst", "permit_ttl"]),
         };
         for name in unwanted {
             if let Some((k, _)) = f.entries.iter().find(|(k, _)| k.text == *name) {
@@ -602,6 +621,8 @@ impl Cx<'_> {
                         match kind {
                             AlgorithmKind::TokenBucket => "`rate` and optionally `burst`",
                             AlgorithmKind::SlidingLog => "`limit` and a fixed `window`",
+                            AlgorithmKind::Concurrency =>
+                                "`limit` (permits in use at once) and `permit_ttl`",
                             _ => "`limit` and `window` (`align: calendar` for calendar windows)",
                         }
                     ),
@@ -624,6 +645,34 @@ impl Cx<'_> {
                     None => rate.map(|r| r.amount()),
                 };
                 rate.zip(burst).map(|(r, b)| Limit::TokenBucket(TokenBucket::new(r, b)))
+            }
+            AlgorithmKind::Concurrency => {
+                let limit = self.positive(
+                    f.get("limit").expect("required"),
+                    &join(path, "limit"),
+                    CONCURRENCY_MAX_LIMIT,
+                );
+                let tpath = join(path, "permit_ttl");
+                let node = f.get("permit_ttl").expect("required");
+                let ttl = self.duration(node, &tpath).and_then(|t| {
+                    if (PERMIT_TTL_MIN..=PERMIT_TTL_MAX).contains(&t) {
+                        NonZeroU64::new(t)
+                    } else {
+                        self.err(
+                            node.pos,
+                            &tpath,
+                            format!(
+                                "a permit lives {} to {}: long enough for the calls it \
+                                 guards to renew it, short enough that a crashed holder's \
+                                 permits come back soon",
+                                DurationText(PERMIT_TTL_MIN),
+                                DurationText(PERMIT_TTL_MAX)
+                            ),
+                        );
+                        None
+                    }
+                });
+                limit.zip(ttl).map(|(l, t)| Limit::Concurrency(Concurrency::new(l, t)))
             }
             _ => {
                 let max = if kind == AlgorithmKind::SlidingLog {

@@ -45,6 +45,26 @@ pub struct Outcome {
     pub limit: Option<LimitInfo>,
     /// Where it was decided.
     pub source: Source,
+    /// The permits an admission holds on the chain's concurrency levels: release them
+    /// ([`super::Agent::release`]) when the request ends. `None` for a chain without
+    /// a concurrency level.
+    pub permit: Option<Permit>,
+}
+
+/// Permits of concurrency levels held by one admitted request, until released or
+/// expired (unless renewed).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Permit {
+    /// The owner's id of it.
+    pub id: String,
+    /// The tenant, route and key it was issued for.
+    pub tenant: String,
+    /// Route.
+    pub route: String,
+    /// Key (empty: none).
+    pub key: String,
+    /// Until it is reclaimed unless renewed, from when it was issued.
+    pub expires_in: Nanos,
 }
 
 impl Outcome {
@@ -57,6 +77,7 @@ impl Outcome {
             retry_after: 0,
             limit: None,
             source: Source::Local,
+            permit: None,
         }
     }
 
@@ -69,6 +90,7 @@ impl Outcome {
             retry_after,
             limit: None,
             source,
+            permit: None,
         }
     }
 }

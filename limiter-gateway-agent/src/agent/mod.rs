@@ -5,7 +5,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use limiter_core::clock::Clock;
+use limiter_core::clock::{Clock, Nanos};
 use limiter_core::failure::{Breaker, EmergencyCeilings};
 use limiter_core::policy::FailurePolicy;
 use limiter_core::ring::Ring;
@@ -26,7 +26,9 @@ mod schedule;
 mod slots;
 mod wire;
 
-pub use self::answer::{AgentRequest, AgentStats, LimitInfo, Outcome, REFUSAL_CAP_SHARE, Source};
+pub use self::answer::{
+    AgentRequest, AgentStats, LimitInfo, Outcome, Permit, REFUSAL_CAP_SHARE, Source,
+};
 pub use self::clock::FastClock;
 use self::renew::*;
 use self::schedule::Schedule;
@@ -210,6 +212,51 @@ impl Agent {
         }
         let slot = self.slot(req);
         self.inner.slow(&slot, req.cost).await
+    }
+
+    /// Returns `permit`'s units to its owner (the request it guarded ended); false
+    /// when the owner no longer held it (expired, released already). A release that
+    /// cannot be delivered leaves the permit to expire at its TTL: under-admission for
+    /// at most that long, never more in flight than the limit.
+    ///
+    /// # Errors
+    ///
+    /// The owner unreachable or refusing the call.
+    pub async fn release(&self, permit: &Permit) -> Result<bool, AgentError> {
+        let req = limiter_proto::limiter::v1::ReleaseRequest {
+            tenant: permit.tenant.clone(),
+            route: permit.route.clone(),
+            key: permit.key.clone(),
+            permit: permit.id.clone(),
+        };
+        let mut client = self.inner.client.clone();
+        match tokio::time::timeout(self.inner.config.rpc_timeout, client.release(req)).await {
+            Ok(Ok(r)) => Ok(r.into_inner().released),
+            Ok(Err(s)) => Err(AgentError::Owner(s.message().to_owned())),
+            Err(_) => Err(AgentError::Owner("owner did not answer in time".to_owned())),
+        }
+    }
+
+    /// Extends `permit` by its TTL from now (a request running longer than it), and
+    /// returns the time left.
+    ///
+    /// # Errors
+    ///
+    /// The owner unreachable, or the permit no longer held (it expired: the request
+    /// runs uncounted from then).
+    pub async fn renew(&self, permit: &Permit) -> Result<Nanos, AgentError> {
+        let req = limiter_proto::limiter::v1::RenewRequest {
+            tenant: permit.tenant.clone(),
+            route: permit.route.clone(),
+            key: permit.key.clone(),
+            permit: permit.id.clone(),
+        };
+        let mut client = self.inner.client.clone();
+        match tokio::time::timeout(self.inner.config.rpc_timeout, client.renew(req)).await {
+            Ok(Ok(r)) => Ok(duration_nanos(r.into_inner().expires_in.as_ref())),
+            Ok(Err(s)) => Err(AgentError::Owner(s.message().to_owned())),
+            Err(_) => Err(AgentError::Owner("owner did not answer in time".to_owned())),
+        }
     }
 
     fn slot(&self, req: &AgentRequest<'_>) -> Arc<Slot> {

@@ -421,7 +421,7 @@ impl Inner {
             st.mode = if g.mode() == pb::LeaseMode::Direct { Mode::Direct } else { Mode::Leased };
             let o = g.decision.as_ref().map_or_else(
                 || Outcome::rejected(Reason::LimiterUnavailable, 0, Source::Owner),
-                from_owner,
+                |d| from_owner_for(d, slot),
             );
             let hold = duration_nanos(g.hold.as_ref()).max(st.hold);
             let cap = (hold / REFUSAL_CAP_SHARE).min(self.refusal_cap());

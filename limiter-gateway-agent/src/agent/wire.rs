@@ -46,7 +46,23 @@ pub(super) fn scope(s: pb::Scope) -> Option<Scope> {
     })
 }
 
-/// The agent's outcome for an owner's decision.
+/// The agent's outcome for an owner's decision of `slot`'s key.
+pub(super) fn from_owner_for(d: &pb::ShouldAllowResponse, slot: &Slot) -> Outcome {
+    let mut o = from_owner(d);
+    if let Some(p) = d.permit.as_ref().filter(|_| d.allowed) {
+        let (tenant, route, key) = slot.key.parts();
+        o.permit = Some(Permit {
+            id: p.id.clone(),
+            tenant: tenant.to_owned(),
+            route: route.to_owned(),
+            key: key.to_owned(),
+            expires_in: duration_nanos(p.expires_in.as_ref()),
+        });
+    }
+    o
+}
+
+/// The agent's outcome for an owner's decision (no permit kept).
 pub(super) fn from_owner(d: &pb::ShouldAllowResponse) -> Outcome {
     Outcome {
         allowed: d.allowed,
@@ -60,6 +76,7 @@ pub(super) fn from_owner(d: &pb::ShouldAllowResponse) -> Outcome {
             window: duration_nanos(l.window.as_ref()),
         }),
         source: Source::Owner,
+        permit: None,
     }
 }
 

@@ -307,6 +307,7 @@ pub(crate) fn data(owner: &Owner, history: &History, members: &[String]) -> Valu
             "max_keys": whole(gauge(m::STORE_MAX_KEYS)),
             "evicted_idle": evicted("idle"),
             "evicted_live": evicted("live"),
+            "permits_held": whole(gauge(m::PERMITS_HELD)),
         },
         "policy": {
             "version": active.version,

@@ -129,6 +129,8 @@ async fn usage(
                 "levels": levels,
                 "open_tickets": u.open_tickets,
                 "open_ticket_units": u.open_ticket_units,
+                "held_permits": u.held_permits,
+                "held_permit_units": u.held_permit_units,
             });
             (StatusCode::OK, [(header::CONTENT_TYPE, "application/json")], body.to_string())
         }

@@ -115,6 +115,42 @@ impl RateLimiter for NativeService {
         }))
     }
 
+    async fn release(
+        &self,
+        request: Request<pb::ReleaseRequest>,
+    ) -> Result<Response<pb::ReleaseResponse>, Status> {
+        let hop = self.hop(&request)?;
+        let r = request.into_inner();
+        let call = |peer: Peer, hop| {
+            let r = r.clone();
+            async move { peer.release(r, hop).await }
+        };
+        if let Some(answer) = at_owner(&self.owner, &r.tenant, hop, call).await? {
+            return Ok(Response::new(answer));
+        }
+        let core = named(&r.tenant, &r.route, &r.key, false);
+        let done = self.owner.release(&core, &r.permit).await.map_err(refuse)?;
+        Ok(Response::new(pb::ReleaseResponse { released: done.released, units: done.units }))
+    }
+
+    async fn renew(
+        &self,
+        request: Request<pb::RenewRequest>,
+    ) -> Result<Response<pb::RenewResponse>, Status> {
+        let hop = self.hop(&request)?;
+        let r = request.into_inner();
+        let call = |peer: Peer, hop| {
+            let r = r.clone();
+            async move { peer.renew(r, hop).await }
+        };
+        if let Some(answer) = at_owner(&self.owner, &r.tenant, hop, call).await? {
+            return Ok(Response::new(answer));
+        }
+        let core = named(&r.tenant, &r.route, &r.key, false);
+        let left = self.owner.renew(&core, &r.permit).await.map_err(refuse)?;
+        Ok(Response::new(pb::RenewResponse { expires_in: Some(convert::duration(left)) }))
+    }
+
     async fn usage(
         &self,
         request: Request<pb::UsageRequest>,
@@ -244,6 +280,8 @@ fn usage_response(u: &crate::owner::Usage) -> pb::UsageResponse {
             .collect(),
         open_tickets: u.open_tickets,
         open_ticket_units: u.open_ticket_units,
+        held_permits: u.held_permits,
+        held_permit_units: u.held_permit_units,
         policy_version: u.policy_version,
         unknown_tenant: u.unknown_tenant,
     }

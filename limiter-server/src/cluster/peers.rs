@@ -171,6 +171,28 @@ impl Peer {
         Ok(self.native.clone().report_cost(with_hop(req, hop, self.timeout)).await?.into_inner())
     }
 
+    /// Forwards a permit's release.
+    ///
+    /// # Errors
+    ///
+    /// As [`Self::allow`].
+    pub async fn release(
+        &self,
+        req: pb::ReleaseRequest,
+        hop: u8,
+    ) -> Result<pb::ReleaseResponse, Status> {
+        Ok(self.native.clone().release(with_hop(req, hop, self.timeout)).await?.into_inner())
+    }
+
+    /// Forwards a permit's renewal.
+    ///
+    /// # Errors
+    ///
+    /// As [`Self::allow`].
+    pub async fn renew(&self, req: pb::RenewRequest, hop: u8) -> Result<pb::RenewResponse, Status> {
+        Ok(self.native.clone().renew(with_hop(req, hop, self.timeout)).await?.into_inner())
+    }
+
     /// Forwards a usage query.
     ///
     /// # Errors

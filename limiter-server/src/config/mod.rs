@@ -78,6 +78,7 @@ struct RawLimits {
     max_descriptors: i64,
     max_message_bytes: i64,
     max_open_tickets: i64,
+    max_held_permits: i64,
     max_concurrent_streams: i64,
     max_keys_per_tenant: i64,
     max_log_entries: i64,
@@ -145,6 +146,7 @@ limits:
   max_descriptors: 16
   max_message_bytes: 65536
   max_open_tickets: 100000
+  max_held_permits: 1000000
   max_concurrent_streams: 256
   max_keys_per_tenant: 100000
   max_log_entries: 100000
@@ -257,6 +259,9 @@ pub struct Limits {
     pub max_message_bytes: usize,
     /// Tickets of check-now-charge-later requests not yet reported.
     pub max_open_tickets: usize,
+    /// Permits of concurrency levels named at once (a full book forgets the one
+    /// closest to expiry: it comes back then, not sooner).
+    pub max_held_permits: usize,
     /// Calls in progress at once on one HTTP/2 connection (more wait in the client).
     pub max_concurrent_streams: u32,
     /// Key-scope counters one tenant may hold in the memory store; a request for a

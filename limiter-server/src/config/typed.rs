@@ -70,6 +70,12 @@ impl TryFrom<Raw> for ServerConfig {
                 l.max_open_tickets,
                 100_000_000,
             ),
+            max_held_permits: positive(
+                &mut errors,
+                "limits.max_held_permits",
+                l.max_held_permits,
+                100_000_000,
+            ),
             max_concurrent_streams: u32::try_from(positive(
                 &mut errors,
                 "limits.max_concurrent_streams",

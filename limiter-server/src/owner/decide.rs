@@ -11,7 +11,9 @@ use crate::error::ServerError;
 use crate::metrics::{self as m, Api};
 use crate::store::Charged;
 
-use super::{Charge, Outcome, Owner, Reach, Report, Settlement};
+use super::permits::{self, Found, Permits};
+use super::reload::ActivePolicy;
+use super::{Charge, Outcome, Owner, Reach, Released, Report, Settlement};
 
 impl Owner {
     /// Decides one request on the store, with root levels owned elsewhere taken from
@@ -153,12 +155,36 @@ impl Owner {
             if !unreachable {
                 self.store.admits(&chain).map_err(|e| (i, e))?;
             }
+            if report == Report::Later && permits::first_level(&chain).is_some() {
+                return Err((
+                    i,
+                    ServerError::invalid(
+                        "report_later",
+                        "the chain has a concurrency level: its permits are released, not \
+                         reported; call Release with the permit when the request ends",
+                    ),
+                ));
+            }
             chains.push(chain);
         }
         let mut outcomes = Vec::with_capacity(requests.len());
         for (i, (req, chain)) in requests.iter().zip(&chains).enumerate() {
             let now = self.clock.now();
-            let decided = if unreachable {
+            let envoy_permit = (api == Api::Envoy)
+                .then(|| chain.levels().find(|l| l.rule.limit.is_concurrency()))
+                .flatten();
+            let decided = if let Some(level) = envoy_permit {
+                // Envoy cannot release a permit: refused, never a free pass and never
+                // a permit held for nobody.
+                tracing::debug!(route = req.route, "concurrency level reached through Envoy");
+                let decision = Decision::Rejected {
+                    reason: level.scope.reason(),
+                    scope: level.scope,
+                    limit: Some(*level.rule.limit),
+                    retry_after: level.rule.limit.quota().1,
+                };
+                Ok((Verdict { decision, shadow: chain.shadow }, Charged { at: now, hold: 0 }))
+            } else if unreachable {
                 Err(ServerError::Unavailable("the tenant's owner is unreachable".into()))
             } else {
                 self.decide_one(req, chain, now).await
@@ -207,6 +233,12 @@ impl Owner {
                 .map(|l| l.rule.name.clone());
             let ticket = (report == Report::Later && charged > 0)
                 .then(|| self.tickets.issue(req, charged_at, charged));
+            let permit = match permits::expiry(chain, charged_at.at) {
+                Some(expires_at) if charged > 0 => {
+                    Some((self.permits.issue(req, charged_at.at, charged, expires_at), expires_at))
+                }
+                _ => None,
+            };
             outcomes.push(Outcome {
                 verdict,
                 charged,
@@ -214,11 +246,18 @@ impl Owner {
                 policy_version: active.version,
                 charged_at,
                 ticket,
+                permit,
             });
         }
         let rejected = outcomes.iter().any(|o| !o.verdict.admitted());
         if charge == Charge::AllOrNothing && rejected {
-            for (o, chain) in outcomes.iter_mut().zip(&chains) {
+            for ((o, chain), req) in outcomes.iter_mut().zip(&chains).zip(requests) {
+                if let Some((text, _)) = o.permit.take()
+                    && let Ok(id) = Permits::parse(&text)
+                {
+                    // Refunded below with the rest of its charge: no longer named.
+                    let _ = self.permits.take(req, id, self.clock.now());
+                }
                 if o.charged > 0 {
                     let now = self.clock.now();
                     let (local, slices) = self.split(chain);
@@ -287,6 +326,86 @@ impl Owner {
         Ok(Settlement { charged, refunded, remaining })
     }
 
+    /// Returns a permit's units to the concurrency levels of `req`'s chain. A permit
+    /// no longer held (released already, expired, forgotten) changes nothing.
+    ///
+    /// # Errors
+    ///
+    /// Malformed names or permit, a permit of another tenant, route or key, or the
+    /// store unreachable (the permit is then still held: its units come back at
+    /// expiry).
+    pub async fn release(&self, req: &Request<'_>, permit: &str) -> Result<Released, ServerError> {
+        let id = Permits::parse(permit)?;
+        let active = self.policies.current();
+        let chain = self.permit_chain(&active, req)?;
+        let now = self.clock.now();
+        let Found::Open(p) = self.permits.take(req, id, now)? else {
+            metrics::counter!(m::PERMITS, "event" => "late_release").increment(1);
+            return Ok(Released { released: false, units: 0 });
+        };
+        if let Err(e) = self.store.refund(&chain, now, p.charged_at, p.units).await {
+            // Not refunded: named again, so that a retry can still release it.
+            let expires_at = permits::expiry(&chain, p.charged_at).unwrap_or(now);
+            self.permits.reopen(req, p, p.charged_at, expires_at);
+            return Err(e);
+        }
+        metrics::counter!(m::PERMITS, "event" => "released").increment(1);
+        Ok(Released { released: true, units: p.units })
+    }
+
+    /// Extends a held permit by its levels' TTL from now, and returns when it is
+    /// reclaimed unless renewed again.
+    ///
+    /// # Errors
+    ///
+    /// As [`Self::release`], and a permit no longer held (`permit`: it expired or was
+    /// released; its holder must acquire anew).
+    pub async fn renew(&self, req: &Request<'_>, permit: &str) -> Result<Nanos, ServerError> {
+        let id = Permits::parse(permit)?;
+        let active = self.policies.current();
+        let chain = self.permit_chain(&active, req)?;
+        let now = self.clock.now();
+        let Found::Open(p) = self.permits.take(req, id, now)? else {
+            metrics::counter!(m::PERMITS, "event" => "late_renewal").increment(1);
+            return Err(ServerError::invalid(
+                "permit",
+                "no longer held (expired, released or forgotten): acquire a new one",
+            ));
+        };
+        match self.store.move_permits(&chain, now, p.charged_at, p.units).await {
+            Ok(at) => {
+                let expires_at = permits::expiry(&chain, at).unwrap_or(at);
+                self.permits.reopen(req, p, at, expires_at);
+                metrics::counter!(m::PERMITS, "event" => "renewed").increment(1);
+                Ok(expires_at.saturating_sub(now))
+            }
+            Err(e) => {
+                let old = permits::expiry(&chain, p.charged_at).unwrap_or(now);
+                self.permits.reopen(req, p, p.charged_at, old);
+                Err(e)
+            }
+        }
+    }
+
+    /// The concurrency levels of `req`'s chain, as this node's store holds them.
+    fn permit_chain<'a>(
+        &self,
+        active: &'a ActivePolicy,
+        req: &Request<'a>,
+    ) -> Result<Chain<'a>, ServerError> {
+        let probe = Request { cost: Some(1), dry_run: true, ..*req };
+        let chain = active.policy.resolve(&probe, &self.limits.names)?;
+        let (chain, _) = self.split(&chain);
+        let chain = permits::concurrency_levels(&chain);
+        if chain.is_empty() {
+            return Err(ServerError::invalid(
+                "route",
+                "this tenant, route and key have no concurrency level: nothing holds permits",
+            ));
+        }
+        Ok(chain)
+    }
+
     /// Every level that applies to `req`'s tenant, route and key, outermost first,
     /// with what is left and when it resets, and the open cost tickets: nothing
     /// charged, no counter created. A root level owned by another node is reported as
@@ -326,10 +445,13 @@ impl Owner {
             });
         }
         let (open_tickets, open_ticket_units) = self.tickets.open_for(req, now);
+        let (held_permits, held_permit_units) = self.permits.live_for(req, now);
         Ok(Usage {
             levels,
             open_tickets,
             open_ticket_units,
+            held_permits,
+            held_permit_units,
             policy_version: active.version,
             unknown_tenant: chain.unknown_tenant,
             now,
@@ -363,6 +485,10 @@ pub struct Usage {
     pub open_tickets: u64,
     /// Their estimated units.
     pub open_ticket_units: u64,
+    /// Permits of concurrency levels held by the tenant, route and key.
+    pub held_permits: u64,
+    /// Their units.
+    pub held_permit_units: u64,
     /// The policy version that resolved the chain.
     pub policy_version: u64,
     /// The tenant is unlisted and such tenants are rejected.

@@ -194,7 +194,11 @@ impl Owner {
             },
             None => None,
         };
-        let exact = chain.route.lease.exact && slice_of.is_none();
+        // A chain with a concurrency level is decided per request: its permits are
+        // held for the request's life, not spent, so a leased batch of them would
+        // stay taken until its TTL.
+        let exact = (chain.route.lease.exact || super::permits::first_level(&chain).is_some())
+            && slice_of.is_none();
         // How long the grant can be spent: the route's TTL (a slice's own TTL), cut
         // by window ends.
         let ttl = match (slice_of, self.cluster()) {
@@ -556,6 +560,7 @@ impl Owner {
             policy_version: self.policies().current().version,
             charged_at: crate::store::Charged { at: now, hold: 0 },
             ticket: None,
+            permit: None,
         };
         outcome.response()
     }

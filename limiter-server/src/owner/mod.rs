@@ -7,6 +7,8 @@ mod decide;
 pub use decide::{Extra, LevelUsage, Usage};
 pub mod heavy;
 pub mod lease;
+mod permits;
+pub use permits::check_policy as check_concurrency;
 pub mod reload;
 mod tickets;
 
@@ -32,6 +34,7 @@ use crate::owner::lease::Leases;
 use crate::owner::reload::PolicyHolder;
 use crate::store::{Charged, Store};
 
+use self::permits::Permits;
 use self::tickets::Tickets;
 
 /// A route counts as in fallback this long after its last failure-policy decision.
@@ -55,6 +58,9 @@ pub struct Outcome {
     pub charged_at: Charged,
     /// A ticket to report the actual cost with, when asked for.
     pub ticket: Option<String>,
+    /// The permit an admission on a chain with a concurrency level holds, and when it
+    /// is reclaimed unless renewed.
+    pub permit: Option<(String, Nanos)>,
 }
 
 impl Outcome {
@@ -72,6 +78,7 @@ impl Outcome {
             policy_version,
             charged_at: Charged { at: now, hold: 0 },
             ticket: None,
+            permit: None,
         }
     }
 
@@ -84,6 +91,11 @@ impl Outcome {
             shadow: o.verdict.shadow,
             cost: o.charged,
             ticket: o.ticket.clone().unwrap_or_default(),
+            permit: o.permit.as_ref().map(|(id, expires_at)| pb::Permit {
+                id: id.clone(),
+                expires_in: Some(convert::duration(expires_at.saturating_sub(o.charged_at.at))),
+                units: o.charged,
+            }),
             ..Default::default()
         };
         let name = o.limit_name.as_deref();
@@ -154,6 +166,16 @@ pub struct Settlement {
     pub remaining: u64,
 }
 
+/// What a permit's release did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Released {
+    /// Its permits were held and are back now; false: it was no longer held
+    /// (released already, expired, or forgotten) and nothing changed.
+    pub released: bool,
+    /// Permits it held.
+    pub units: u64,
+}
+
 /// The server's decision logic, shared by its gRPC services and admin port.
 pub struct Owner {
     policies: Arc<PolicyHolder>,
@@ -161,6 +183,7 @@ pub struct Owner {
     clock: Arc<dyn Clock>,
     limits: Limits,
     tickets: Tickets,
+    permits: Permits,
     ready: AtomicBool,
     latency: [Histogram; 3],
     leases: Leases,
@@ -198,6 +221,7 @@ impl Owner {
                 open: Mutex::default(),
                 max: limits.max_open_tickets,
             },
+            permits: Permits::new(limits.max_held_permits),
             ready: AtomicBool::new(false),
             latency: [Api::Native, Api::Envoy, Api::Lease]
                 .map(|a| metrics::histogram!(m::DECISION_SECONDS, "api" => a.as_str())),
@@ -286,11 +310,15 @@ impl Owner {
         metrics::gauge!(m::READY).set(if ready { 1.0 } else { 0.0 });
     }
 
-    /// Drops idle counters and publishes store gauges.
+    /// Drops idle counters and expired permits, and publishes store gauges.
+    #[allow(clippy::cast_precision_loss)] // gauge values
     pub fn sweep(&self) {
         self.leases.expire(self.clock.now());
         let dropped = self.store.sweep(self.clock.now());
         tracing::trace!(dropped, "swept idle counters");
+        self.permits.sweep(self.clock.now());
+        let (held, _) = self.permits.live(self.clock.now());
+        metrics::gauge!(m::PERMITS_HELD).set(held as f64);
         self.sweep_stats();
     }
 

@@ -249,10 +249,12 @@ impl Store {
                 if let Some(verdict) = limiter_core::hierarchy::without_counters(chain) {
                     return Ok((verdict, Charged { at: now, hold: 0 }));
                 }
+                // Permits are held, not spent: a batch of them would stay taken.
                 let batched = r.store.settings().batches
                     && !chain.dry_run
                     && !chain.route.lease.exact
-                    && chain.cost > 0;
+                    && chain.cost > 0
+                    && !chain.levels().any(|l| l.rule.limit.is_concurrency());
                 if batched {
                     r.batches.decide(&r.store, req, chain, now, || r.clock.now()).await
                 } else {
@@ -362,6 +364,40 @@ impl Store {
             Self::Redis(r) => r.store.refund_grant(chain, now, granted_at, hold, units).await?,
         }
         Ok(())
+    }
+
+    /// Moves `units` permits charged at `at` to `now` on every level of `chain` (its
+    /// concurrency levels: a renewal), in one step: the level never counts them
+    /// neither time. Returns the new stamp (a refund names it).
+    ///
+    /// # Errors
+    ///
+    /// When the store cannot be reached (the permits stay where they were).
+    pub async fn move_permits(
+        &self,
+        chain: &Chain<'_>,
+        now: Nanos,
+        at: Nanos,
+        units: u64,
+    ) -> Result<Nanos, ServerError> {
+        match self {
+            Self::Memory(l) => {
+                // Charged first: in between the level counts both (a request may be
+                // refused), never neither (one admitted past the limit).
+                l.charge(chain, now, units);
+                l.refund(chain, now, at, units);
+                Ok(now)
+            }
+            // One script: the old entry back, the new one charged (refunding first
+            // there keeps the log from merging a full log's newest entry).
+            Self::Redis(r) => {
+                let g = r.store.grant_raw(chain, now, units, 0, units, (units, at, 0)).await?;
+                if g.units < units {
+                    r.store.charge(chain, now, units - g.units).await?;
+                }
+                Ok(g.granted_at)
+            }
+        }
     }
 
     /// Units left at the tightest level of a chain.

@@ -27,6 +27,7 @@ use limiter_core::calendar::Calendar;
 use limiter_core::clock::Nanos;
 use limiter_core::failure::Breaker;
 use limiter_core::key::LimitKeyRef;
+use limiter_core::policy::load::SLIDING_LOG_MAX_LIMIT as MAX_LOG;
 use limiter_core::policy::{Chain, Level, Policy};
 use limiter_core::{Limit, Scope};
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
@@ -132,6 +133,14 @@ fn params(limit: &Limit) -> Result<Params, String> {
         Limit::FixedWindow(w) => window("fw", w.limit().get(), w.window()),
         Limit::SlidingLog(w) => window("sl", w.limit().get(), Window::Fixed(w.window())),
         Limit::SlidingCounter(w) => window("sc", w.limit().get(), w.window()),
+        // Permits in use are the units charged within the last TTL that were not
+        // released: a sliding log over the TTL, a release a refund of its entry.
+        Limit::Concurrency(c) if c.limit().get() > MAX_LOG => Err(format!(
+            "concurrency limit {} is above {MAX_LOG}: the Redis store keeps one \
+             entry per permit charged",
+            c.limit()
+        )),
+        Limit::Concurrency(c) => window("sl", c.limit().get(), Window::Fixed(c.permit_ttl())),
     }
 }
 

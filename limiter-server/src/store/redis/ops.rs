@@ -64,6 +64,7 @@ impl RedisStore {
         let groups = self.groups(chain);
         let mut tightest: Option<(usize, u64, Nanos)> = None;
         let mut charged: Vec<((usize, usize), Nanos)> = Vec::new();
+        let mut permit_stamped = false;
         for &group in &groups {
             let d = match self.decide_group(chain, group, now, chain.dry_run).await {
                 Ok(d) => d,
@@ -97,8 +98,14 @@ impl RedisStore {
                 };
                 return Ok((Verdict { decision, shadow: chain.shadow }, at));
             }
-            if charged.is_empty() {
+            // The stamp a refund names: the first group's, or, when a later group
+            // holds the chain's first concurrency level, that group's (a permit's
+            // release names its entry; Redis Cluster's groups read TIME apart).
+            let holds_permits =
+                chain.levels().skip(group.0).take(group.1).any(|l| l.rule.limit.is_concurrency());
+            if charged.is_empty() || (holds_permits && !permit_stamped) {
                 at.at = d.at;
+                permit_stamped |= holds_permits;
             }
             if !chain.dry_run {
                 charged.push((group, d.at));

@@ -1,0 +1,179 @@
+//! Concurrency limits over real gRPC: permits held by admitted requests, returned by
+//! Release, extended by Renew, reclaimed at their TTL; what cannot hold a permit
+//! (Envoy, check-now-charge-later) is refused, never a free pass.
+
+mod common;
+
+use std::time::Duration;
+
+use common::envoy::descriptor;
+use common::{Backend, TestServer};
+use limiter_proto::envoy::service::ratelimit::v3::RateLimitRequest;
+use limiter_proto::envoy::service::ratelimit::v3::rate_limit_response::Code as EnvoyCode;
+use limiter_proto::limiter::v1 as pb;
+use tonic::Code;
+
+/// Two exports of acme's at once (each a permit for 1 s unless renewed), under a
+/// rate limit of the route that release never refunds.
+const POLICY: &str = r"
+version: 1
+routes:
+  /export:
+    limit: { algorithm: fixed_window, limit: 1000, window: 1h }
+tenants:
+  acme:
+    routes:
+      /export: { algorithm: concurrency, limit: 2, permit_ttl: 1s }
+";
+
+fn export() -> pb::ShouldAllowRequest {
+    pb::ShouldAllowRequest { tenant: "acme".into(), route: "/export".into(), ..Default::default() }
+}
+
+fn release(permit: &str) -> pb::ReleaseRequest {
+    pb::ReleaseRequest {
+        tenant: "acme".into(),
+        route: "/export".into(),
+        key: String::new(),
+        permit: permit.into(),
+    }
+}
+
+fn renew(permit: &str) -> pb::RenewRequest {
+    pb::RenewRequest {
+        tenant: "acme".into(),
+        route: "/export".into(),
+        key: String::new(),
+        permit: permit.into(),
+    }
+}
+
+/// The tests, for one store.
+macro_rules! store_tests {
+    () => {
+        #[tokio::test]
+        async fn permits_are_held_until_released_and_released_once() {
+            let s = TestServer::start_on(BACKEND, POLICY).await;
+            let mut c = s.native().await;
+            let a = c.should_allow(export()).await.unwrap().into_inner();
+            let b = c.should_allow(export()).await.unwrap().into_inner();
+            assert!(a.allowed && b.allowed);
+            let pa = a.permit.clone().expect("a permit for an admission");
+            let pb_ = b.permit.clone().unwrap();
+            assert_ne!(pa.id, pb_.id);
+            assert_eq!(pa.units, 1);
+            let ttl = pa.expires_in.unwrap();
+            assert!(ttl.seconds == 0 && ttl.nanos > 900_000_000, "{ttl:?}");
+            let full = c.should_allow(export()).await.unwrap().into_inner();
+            assert!(!full.allowed);
+            assert_eq!(full.reason(), pb::Reason::TenantRouteLimit);
+            assert_eq!(full.limit.unwrap().algorithm(), pb::Algorithm::Concurrency);
+            assert!(full.permit.is_none(), "no permit for a refusal");
+
+            let r = c.release(release(&pa.id)).await.unwrap().into_inner();
+            assert!(r.released && r.units == 1);
+            let again = c.release(release(&pa.id)).await.unwrap().into_inner();
+            assert!(!again.released, "a duplicated release frees nothing");
+            let next = c.should_allow(export()).await.unwrap().into_inner();
+            assert!(next.allowed, "the released permit is back");
+            let after = c.should_allow(export()).await.unwrap().into_inner();
+            assert!(!after.allowed, "and only it: b and next hold both");
+
+            // The route's rate level was charged three times and refunded nothing.
+            let usage = c
+                .usage(pb::UsageRequest {
+                    tenant: "acme".into(),
+                    route: "/export".into(),
+                    key: String::new(),
+                })
+                .await
+                .unwrap()
+                .into_inner();
+            let remaining: Vec<u64> = usage.levels.iter().map(|l| l.remaining).collect();
+            assert_eq!(remaining, vec![997, 0]);
+            assert_eq!((usage.held_permits, usage.held_permit_units), (2, 2));
+            s.stop().await;
+        }
+
+        #[tokio::test]
+        async fn permits_expire_at_their_ttl_unless_renewed() {
+            let s = TestServer::start_on(BACKEND, POLICY).await;
+            let mut c = s.native().await;
+            let kept = c.should_allow(export()).await.unwrap().into_inner().permit.unwrap();
+            let lost = c.should_allow(export()).await.unwrap().into_inner().permit.unwrap();
+            assert!(!c.should_allow(export()).await.unwrap().into_inner().allowed);
+            // Renewed half way: `kept` lives on, `lost` (its holder gone) does not.
+            tokio::time::sleep(Duration::from_millis(500)).await;
+            let renewed = c.renew(renew(&kept.id)).await.unwrap().into_inner();
+            assert!(renewed.expires_in.unwrap().nanos > 900_000_000);
+            tokio::time::sleep(Duration::from_millis(700)).await;
+            let one = c.should_allow(export()).await.unwrap().into_inner();
+            assert!(one.allowed, "the lost holder's permit came back within its TTL");
+            assert!(!c.should_allow(export()).await.unwrap().into_inner().allowed);
+            // Renewing or releasing the expired one changes nothing.
+            let e = c.renew(renew(&lost.id)).await.unwrap_err();
+            assert_eq!(e.code(), Code::InvalidArgument);
+            assert!(e.message().starts_with("permit"), "{}", e.message());
+            assert!(!c.release(release(&lost.id)).await.unwrap().into_inner().released);
+            assert!(!c.should_allow(export()).await.unwrap().into_inner().allowed);
+            assert!(c.release(release(&kept.id)).await.unwrap().into_inner().released);
+            assert!(c.should_allow(export()).await.unwrap().into_inner().allowed);
+            s.stop().await;
+        }
+
+        #[tokio::test]
+        async fn a_permit_is_released_only_by_its_own_names() {
+            let s = TestServer::start_on(BACKEND, POLICY).await;
+            let mut c = s.native().await;
+            let p = c.should_allow(export()).await.unwrap().into_inner().permit.unwrap();
+            let mut other = release(&p.id);
+            other.tenant = "globex".into();
+            let e = c.release(other).await.unwrap_err();
+            assert_eq!(e.code(), Code::InvalidArgument, "{}", e.message());
+            let mut keyed = release(&p.id);
+            keyed.key = "k".into();
+            assert_eq!(c.release(keyed).await.unwrap_err().code(), Code::InvalidArgument);
+            for bad in ["", "p1.", "p1.zz", "v1.1.2.3.4", &"f".repeat(10_000)] {
+                let e = c.release(release(bad)).await.unwrap_err();
+                assert_eq!(e.code(), Code::InvalidArgument);
+                assert!(e.message().len() < 300, "short: {}", e.message().len());
+            }
+            assert!(c.release(release(&p.id)).await.unwrap().into_inner().released);
+            s.stop().await;
+        }
+
+        #[tokio::test]
+        async fn what_cannot_hold_a_permit_is_refused_not_let_through() {
+            let s = TestServer::start_on(BACKEND, POLICY).await;
+            let mut c = s.native().await;
+            // Check now, charge later: a permit is released, not reported.
+            let later = pb::ShouldAllowRequest { report_later: true, ..export() };
+            let e = c.should_allow(later).await.unwrap_err();
+            assert_eq!(e.code(), Code::InvalidArgument);
+            assert!(e.message().contains("report_later"), "{}", e.message());
+            // Envoy cannot release: refused, and nothing is held.
+            let mut envoy = s.envoy().await;
+            let answer = envoy
+                .should_rate_limit(RateLimitRequest {
+                    domain: "acme".into(),
+                    descriptors: vec![descriptor(&[("route", "/export")], None)],
+                    hits_addend: 1,
+                })
+                .await
+                .unwrap()
+                .into_inner();
+            assert_eq!(answer.overall_code(), EnvoyCode::OverLimit);
+            // A route without a concurrency level holds no permits.
+            let mut none = release("p1.1");
+            none.route = "/search".into();
+            let e = c.release(none).await.unwrap_err();
+            assert!(e.message().starts_with("route"), "{}", e.message());
+            // Both permits are still free.
+            assert!(c.should_allow(export()).await.unwrap().into_inner().allowed);
+            assert!(c.should_allow(export()).await.unwrap().into_inner().allowed);
+            s.stop().await;
+        }
+    };
+}
+
+on_each_store!(store_tests);

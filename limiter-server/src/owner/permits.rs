@@ -307,6 +307,30 @@ mod tests {
     }
 
     #[test]
+    fn concurrency_levels_that_cannot_hold_permits_are_refused_by_where_they_are_written() {
+        let policy = limiter_core::policy::from_yaml(
+            "version: 1\nglobal:\n  ceiling: { algorithm: concurrency, limit: 9, permit_ttl: 5s }\nroutes:\n  /a:\n    limit: { algorithm: concurrency, limit: 9, permit_ttl: 5s }\ntenants:\n  acme:\n    routes:\n      /envoy: { algorithm: concurrency, limit: 2, permit_ttl: 5s }\n      /b: { algorithm: concurrency, limit: 2, permit_ttl: 5s }\n",
+            "p.yaml",
+        )
+        .unwrap();
+        let alone = check_policy(&policy, false, None).unwrap_err();
+        assert_eq!(alone.lines().count(), 1, "{alone}");
+        assert!(alone.starts_with("global.ceiling:"), "{alone}");
+        let all = check_policy(&policy, true, Some("/envoy")).unwrap_err();
+        let lines: Vec<&str> = all.lines().collect();
+        assert_eq!(lines.len(), 3, "{all}");
+        assert!(lines[1].starts_with("routes./a.limit:"), "{all}");
+        assert!(lines[2].starts_with("tenants.acme.routes./envoy:"), "{all}");
+        assert!(!all.contains("/b"), "a tenant's route level is fine: {all}");
+        let fine = limiter_core::policy::from_yaml(
+            "version: 1\ntenants:\n  acme:\n    routes:\n      /b: { algorithm: concurrency, limit: 2, permit_ttl: 5s }\n",
+            "p.yaml",
+        )
+        .unwrap();
+        check_policy(&fine, true, Some("/envoy")).unwrap();
+    }
+
+    #[test]
     fn malformed_permits_are_refused() {
         for bad in ["", "p1.", "p2.ff", "p1.xyz", "p1.11111111111111111", "ticket"] {
             assert!(Permits::parse(bad).is_err(), "{bad}");

@@ -230,11 +230,7 @@ impl Agent {
             permit: permit.id.clone(),
         };
         let mut client = self.inner.client.clone();
-        match tokio::time::timeout(self.inner.config.rpc_timeout, client.release(req)).await {
-            Ok(Ok(r)) => Ok(r.into_inner().released),
-            Ok(Err(s)) => Err(AgentError::Owner(s.message().to_owned())),
-            Err(_) => Err(AgentError::Owner("owner did not answer in time".to_owned())),
-        }
+        Ok(self.within_timeout(client.release(req)).await?.released)
     }
 
     /// Extends `permit` by its TTL from now (a request running longer than it), and
@@ -252,8 +248,17 @@ impl Agent {
             permit: permit.id.clone(),
         };
         let mut client = self.inner.client.clone();
-        match tokio::time::timeout(self.inner.config.rpc_timeout, client.renew(req)).await {
-            Ok(Ok(r)) => Ok(duration_nanos(r.into_inner().expires_in.as_ref())),
+        let answer = self.within_timeout(client.renew(req)).await?;
+        Ok(duration_nanos(answer.expires_in.as_ref()))
+    }
+
+    /// A permit call's answer within the RPC timeout.
+    async fn within_timeout<T>(
+        &self,
+        call: impl std::future::Future<Output = Result<tonic::Response<T>, tonic::Status>>,
+    ) -> Result<T, AgentError> {
+        match tokio::time::timeout(self.inner.config.rpc_timeout, call).await {
+            Ok(Ok(r)) => Ok(r.into_inner()),
             Ok(Err(s)) => Err(AgentError::Owner(s.message().to_owned())),
             Err(_) => Err(AgentError::Owner("owner did not answer in time".to_owned())),
         }

@@ -8,7 +8,7 @@
 //! So a lost or duplicated release, or a forged one, can never free a permit that is
 //! still held.
 
-use std::collections::HashMap;
+use std::collections::{BTreeSet, HashMap};
 use std::hash::BuildHasher;
 
 use limiter_core::algorithm::Concurrency;
@@ -60,12 +60,62 @@ pub(crate) struct Permits {
     max: usize,
 }
 
+/// The named permits, indexed by expiry (so that pruning and forgetting cost what
+/// they remove) and counted by names (so that the usage view reads a count): no call
+/// a client makes scans the book.
 #[derive(Debug, Default)]
 struct Book {
     held: HashMap<u64, Held>,
+    by_expiry: BTreeSet<(Nanos, u64)>,
+    /// Permits and units named per keyed hash of tenant, route and key.
+    by_names: HashMap<u64, (u64, u64)>,
+    /// Units named in all.
+    units: u64,
     serial: u64,
     /// Permits dropped from a full book (they come back at expiry).
     forgotten: u64,
+}
+
+impl Book {
+    fn insert(&mut self, id: u64, h: Held) {
+        if let Some(old) = self.held.insert(id, h) {
+            self.unindex(id, &old);
+        }
+        self.by_expiry.insert((h.expires_at, id));
+        let n = self.by_names.entry(h.names).or_default();
+        *n = (n.0 + 1, n.1.saturating_add(h.units));
+        self.units = self.units.saturating_add(h.units);
+    }
+
+    fn remove(&mut self, id: u64) -> Option<Held> {
+        let h = self.held.remove(&id)?;
+        self.unindex(id, &h);
+        Some(h)
+    }
+
+    fn unindex(&mut self, id: u64, h: &Held) {
+        self.by_expiry.remove(&(h.expires_at, id));
+        if let Some(n) = self.by_names.get_mut(&h.names) {
+            *n = (n.0 - 1, n.1.saturating_sub(h.units));
+            if n.0 == 0 {
+                self.by_names.remove(&h.names);
+            }
+        }
+        self.units = self.units.saturating_sub(h.units);
+    }
+
+    /// Drops the permits expired by `now`; returns how many.
+    fn prune(&mut self, now: Nanos) -> usize {
+        let mut n = 0;
+        while let Some(&(expires_at, id)) = self.by_expiry.first() {
+            if expires_at > now {
+                break;
+            }
+            self.remove(id);
+            n += 1;
+        }
+        n
+    }
 }
 
 /// The concurrency levels of `chain`, alone: what a release or renewal moves.
@@ -175,13 +225,12 @@ impl Permits {
         let names = self.names(req);
         let mut book = self.book.lock();
         if book.held.len() >= self.max {
-            book.held.retain(|_, h| h.expires_at > at);
+            book.prune(at);
         }
         if book.held.len() >= self.max
-            && let Some(soonest) =
-                book.held.iter().min_by_key(|(_, h)| h.expires_at).map(|(k, _)| *k)
+            && let Some(&(_, soonest)) = book.by_expiry.first()
         {
-            book.held.remove(&soonest);
+            book.remove(soonest);
             book.forgotten += 1;
             metrics::counter!(crate::metrics::PERMITS, "event" => "forgotten").increment(1);
         }
@@ -190,7 +239,7 @@ impl Permits {
         while book.held.contains_key(&id) {
             id = id.wrapping_add(1);
         }
-        book.held.insert(id, Held { names, charged_at: at, units, expires_at });
+        book.insert(id, Held { names, charged_at: at, units, expires_at });
         metrics::counter!(crate::metrics::PERMITS, "event" => "acquired").increment(1);
         format!("{PREFIX}{id:x}")
     }
@@ -227,7 +276,7 @@ impl Permits {
                 "not a permit issued for this tenant, route and key",
             ));
         }
-        book.held.remove(&id);
+        book.remove(id);
         if held.expires_at <= now {
             return Ok(Found::Gone);
         }
@@ -237,40 +286,27 @@ impl Permits {
     /// Names a renewed permit again under its id, charged at `at`.
     pub(crate) fn reopen(&self, req: &Request<'_>, p: OpenPermit, at: Nanos, expires_at: Nanos) {
         let names = self.names(req);
-        self.book
-            .lock()
-            .held
-            .insert(p.id, Held { names, charged_at: at, units: p.units, expires_at });
+        self.book.lock().insert(p.id, Held { names, charged_at: at, units: p.units, expires_at });
     }
 
-    /// Permits named and live at `now`, and their units (a scan: for gauges and the
-    /// usage view, not the decision path).
+    /// Permits named and live at `now`, and their units.
     pub(crate) fn live(&self, now: Nanos) -> (u64, u64) {
-        self.book
-            .lock()
-            .held
-            .values()
-            .filter(|h| h.expires_at > now)
-            .fold((0, 0), |(n, u), h| (n + 1, u + h.units))
+        let mut book = self.book.lock();
+        book.prune(now);
+        (book.held.len() as u64, book.units)
     }
 
     /// Live permits of `req`'s tenant, route and key at `now`, and their units.
     pub(crate) fn live_for(&self, req: &Request<'_>, now: Nanos) -> (u64, u64) {
         let names = self.names(req);
-        self.book
-            .lock()
-            .held
-            .values()
-            .filter(|h| h.names == names && h.expires_at > now)
-            .fold((0, 0), |(n, u), h| (n + 1, u + h.units))
+        let mut book = self.book.lock();
+        book.prune(now);
+        book.by_names.get(&names).copied().unwrap_or_default()
     }
 
     /// Drops permits expired by `now` from the book (their units are back already).
     pub(crate) fn sweep(&self, now: Nanos) -> usize {
-        let mut book = self.book.lock();
-        let before = book.held.len();
-        book.held.retain(|_, h| h.expires_at > now);
-        before - book.held.len()
+        self.book.lock().prune(now)
     }
 
     /// Permits dropped from a full book so far.

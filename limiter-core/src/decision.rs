@@ -73,11 +73,14 @@ pub enum Reason {
     LimiterUnavailable,
     /// The tenant is not in the policy and the policy rejects unknown tenants.
     UnknownTenant,
+    /// The request's class has used its share of a divided level (its scope), whose
+    /// rest is reserved for other classes' current use.
+    ShareLimit,
 }
 
 impl Reason {
     /// Every reason, in a stable order.
-    pub const ALL: [Self; 8] = [
+    pub const ALL: [Self; 9] = [
         Self::GlobalCeiling,
         Self::RouteLimit,
         Self::TenantLimit,
@@ -86,6 +89,7 @@ impl Reason {
         Self::EmergencyCeiling,
         Self::LimiterUnavailable,
         Self::UnknownTenant,
+        Self::ShareLimit,
     ];
 
     /// The stable upper-case name.
@@ -99,6 +103,7 @@ impl Reason {
             Self::EmergencyCeiling => "EMERGENCY_CEILING",
             Self::LimiterUnavailable => "LIMITER_UNAVAILABLE",
             Self::UnknownTenant => "UNKNOWN_TENANT",
+            Self::ShareLimit => "SHARE_LIMIT",
         }
     }
 }

@@ -24,6 +24,7 @@ pub mod limit;
 pub mod policy;
 pub mod rate;
 pub mod ring;
+pub mod share;
 pub mod table;
 pub mod text;
 

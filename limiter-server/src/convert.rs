@@ -51,6 +51,7 @@ pub(crate) fn reason(r: Reason) -> pb::Reason {
         Reason::EmergencyCeiling => pb::Reason::EmergencyCeiling,
         Reason::LimiterUnavailable => pb::Reason::LimiterUnavailable,
         Reason::UnknownTenant => pb::Reason::UnknownTenant,
+        Reason::ShareLimit => pb::Reason::ShareLimit,
     }
 }
 

@@ -201,6 +201,7 @@ impl Server {
         let envoy_route = config.envoy.default_route.clone();
         let permits = move |p: &limiter_core::policy::Policy| {
             owner::check_concurrency(p, clustered, envoy_route.as_deref())
+                .and(owner::check_shares(p, clustered))
         };
         let check: owner::reload::Check = match &store {
             Store::Memory(_) => {

@@ -126,6 +126,13 @@ pub const PERMITS_HELD: &str = "limiter_permits_held";
 /// `reason`.
 pub const STATE_RESETS: &str = "limiter_state_resets_total";
 
+/// Requests refused by their class's share of a divided level, by `scope` (of the
+/// level) and `class` (named in the policy: a bounded set).
+pub const SHARE_REJECTIONS: &str = "limiter_share_rejections_total";
+/// The share of a divided level each class is allocated now (0 to 1), by `scope` and
+/// `class`.
+pub const SHARE_ALLOCATION: &str = "limiter_share_allocation_ratio";
+
 /// Histogram buckets for decision latency: 5 µs to 1 s.
 const LATENCY_BUCKETS: &[f64] = &[
     0.000_005, 0.000_01, 0.000_025, 0.000_05, 0.000_1, 0.000_25, 0.000_5, 0.001, 0.002_5, 0.005,
@@ -216,6 +223,14 @@ fn describe() {
     describe_counter!(COST_REPORTS, "Costs settled after the fact, by direction.");
     describe_counter!(PERMITS, "Permits of concurrency levels, by event.");
     describe_gauge!(PERMITS_HELD, "Permits of concurrency levels held at this node.");
+    describe_counter!(
+        SHARE_REJECTIONS,
+        "Requests refused by their class's share, by scope and class."
+    );
+    describe_gauge!(
+        SHARE_ALLOCATION,
+        "Share of a divided level allocated to a class now, by scope and class."
+    );
     describe_counter!(COST_REPORT_UNITS, "Units settled after the fact, by direction.");
     describe_gauge!(BUILD_INFO, "Build information.");
     describe_gauge!(READY, "1 while ready to serve.");
@@ -296,6 +311,8 @@ fn reason_scope(reason: Reason) -> &'static str {
         Reason::TenantRouteLimit => Scope::TenantRoute.as_str(),
         Reason::KeyLimit => Scope::Key.as_str(),
         Reason::EmergencyCeiling | Reason::LimiterUnavailable => "none",
+        // Of a divided level of any scope: `limiter_share_rejections_total` says which.
+        Reason::ShareLimit => "share",
     }
 }
 

@@ -34,7 +34,7 @@ pub enum Source {
 }
 
 /// Labels of rejections and errors, by index (`Record::label`).
-pub const LABELS: [&str; 14] = [
+pub const LABELS: [&str; 15] = [
     "",
     "global_ceiling",
     "route_limit",
@@ -49,6 +49,7 @@ pub const LABELS: [&str; 14] = [
     "unavailable",
     "invalid_argument",
     "other_error",
+    "share_limit",
 ];
 
 /// The label index of a rejection reason.
@@ -62,6 +63,7 @@ pub fn reason_label(r: Reason) -> u8 {
         Reason::EmergencyCeiling => 6,
         Reason::LimiterUnavailable => 7,
         Reason::UnknownTenant => 8,
+        Reason::ShareLimit => 14,
     }
 }
 

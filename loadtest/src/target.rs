@@ -191,6 +191,7 @@ pub fn core_reason(r: pb::Reason) -> Option<limiter_core::Reason> {
         pb::Reason::EmergencyCeiling => R::EmergencyCeiling,
         pb::Reason::LimiterUnavailable => R::LimiterUnavailable,
         pb::Reason::UnknownTenant => R::UnknownTenant,
+        pb::Reason::ShareLimit => R::ShareLimit,
         pb::Reason::Unspecified => return None,
     })
 }

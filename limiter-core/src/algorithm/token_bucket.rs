@@ -92,6 +92,32 @@ impl TokenBucket {
     }
 }
 
+impl TokenBucket {
+    /// The state this bucket takes over from `old`'s: the same tokens left, to the
+    /// fraction (never more than this bucket holds), refilling at this bucket's rate
+    /// from `now`. A bucket whose rate or size changes (a class's share of a level)
+    /// neither loses nor gains what it had.
+    pub fn carry(
+        &self,
+        old: &TokenBucket,
+        state: &TokenBucketState,
+        now: Nanos,
+    ) -> TokenBucketState {
+        // Used tokens ahead of now, in `old`'s scaled units (one token: old period);
+        // in this bucket's (one token: this period).
+        let used_old = old.used(state, now);
+        let used = used_old * self.period() / old.period().max(1)
+            + u128::from(used_old * self.period() % old.period().max(1) != 0);
+        // What is left may shrink to this bucket's size, never grow.
+        let left_old =
+            old.capacity_scaled().saturating_sub(used_old) * self.period() / old.period();
+        let used = used.max(self.capacity_scaled().saturating_sub(left_old)).min(self.max_used());
+        let mut out = TokenBucketState::default();
+        out.set_tat(self.scaled(now) + used);
+        out
+    }
+}
+
 impl Algorithm for TokenBucket {
     type State = TokenBucketState;
 

@@ -18,6 +18,7 @@ use crate::calendar::{Calendar, CalendarError, CalendarUnit, WeekStart};
 use crate::clock::Nanos;
 use crate::limit::{AlgorithmKind, Limit};
 use crate::rate::{self, DurationText, MAX_AMOUNT, Rate, RateError};
+use crate::share;
 
 /// The policy schema version this build reads.
 pub const SCHEMA_VERSION: i128 = 1;
@@ -121,7 +122,7 @@ pub fn from_yaml(text: &str, file: &str) -> Result<Policy, PolicyErrors> {
                 .into_owned(),
         }])
     })?;
-    let mut cx = Cx { file, errors: Vec::new() };
+    let mut cx = Cx { file, errors: Vec::new(), tenant_names: listed_tenants(&root) };
     let policy = cx.policy(&root);
     cx.errors.sort_by_key(|e| (e.pos.line, e.pos.column));
     match policy {
@@ -133,6 +134,17 @@ pub fn from_yaml(text: &str, file: &str) -> Result<Policy, PolicyErrors> {
 struct Cx<'f> {
     file: &'f str,
     errors: Vec<PolicyError>,
+    /// The listed tenants, when unlisted ones are rejected (a share class naming
+    /// another matches nothing); `None` when unlisted tenants are served.
+    tenant_names: Option<Vec<String>>,
+}
+
+/// The level a `shares` block divides.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum ShareLevel {
+    Global,
+    Route,
+    Tenant,
 }
 
 /// The fields of one mapping, checked against the names allowed there.
@@ -149,6 +161,22 @@ impl<'n> Fields<'n> {
 
 fn join(path: &str, field: &str) -> String {
     if path.is_empty() { field.to_owned() } else { format!("{path}.{field}") }
+}
+
+/// The tenants a policy lists, when it rejects unlisted ones (read before validation:
+/// a share class is checked against them).
+fn listed_tenants(root: &Node) -> Option<Vec<String>> {
+    let Value::Map(top) = &root.value else { return None };
+    let get = |name: &str| top.iter().find(|(k, _)| k.text == name).map(|(_, v)| v);
+    let names: Vec<String> = match get("tenants").map(|n| &n.value) {
+        Some(Value::Map(m)) => m.iter().map(|(k, _)| k.text.clone()).collect(),
+        _ => Vec::new(),
+    };
+    let rejects = match get("unknown_tenants").map(|n| &n.value) {
+        Some(Value::Str(s)) => s == "reject",
+        _ => !names.iter().any(|n| n == DEFAULT_TENANT),
+    };
+    rejects.then_some(names)
 }
 
 impl Cx<'_> {
@@ -336,9 +364,10 @@ impl Cx<'_> {
         }
         let shadow = top.get("shadow").and_then(|n| self.boolean(n, "shadow")).unwrap_or(false);
         let global = top.get("global").and_then(|n| {
-            let f = self.fields(n, "global", &["ceiling"])?;
+            let f = self.fields(n, "global", &["ceiling", "shares"])?;
             let c = self.require(&f, "global", "ceiling")?;
-            self.limit_rule(c, "global.ceiling", "global", &[]).0
+            let rule = self.limit_rule(c, "global.ceiling", "global", &[]).0?;
+            Some(self.with_shares(rule, f.get("shares"), "global.shares", ShareLevel::Global))
         });
         let on_limiter_failure = match top.get("on_limiter_failure") {
             Some(n) => self.failure_policy(n, "on_limiter_failure"),
@@ -367,7 +396,7 @@ impl Cx<'_> {
             for (k, v) in self.entries(n, "tenants").unwrap_or_default() {
                 let path = join("tenants", &k.text);
                 self.name(k, &path);
-                if let Some(t) = self.tenant(v, &path) {
+                if let Some(t) = self.tenant(v, &path, k.text == DEFAULT_TENANT) {
                     if k.text == DEFAULT_TENANT {
                         default_tenant = Some(t);
                     } else {
@@ -460,14 +489,31 @@ impl Cx<'_> {
         failure: FailurePolicy,
         lease: LeaseSettings,
     ) -> Option<RouteSpec> {
-        let f =
-            self.fields(node, path, &["cost", "limit", "shadow", "on_limiter_failure", "lease"])?;
+        let f = self.fields(
+            node,
+            path,
+            &["cost", "limit", "shares", "shadow", "on_limiter_failure", "lease"],
+        )?;
         let cost = match f.get("cost") {
             Some(n) => self.positive(n, &join(path, "cost"), MAX_AMOUNT),
             None => Some(NonZeroU64::MIN),
         };
         let limit =
             f.get("limit").map(|n| self.limit_rule(n, &join(path, "limit"), "route", &[]).0);
+        let limit = match (limit, f.get("shares")) {
+            (Some(Some(rule)), shares) => {
+                Some(Some(self.with_shares(rule, shares, &join(path, "shares"), ShareLevel::Route)))
+            }
+            (None, Some(n)) => {
+                self.err(
+                    n.pos,
+                    &join(path, "shares"),
+                    "shares divide a limit: give the route a `limit`",
+                );
+                None
+            }
+            (limit, _) => limit,
+        };
         let shadow = f.get("shadow").map(|n| self.boolean(n, &join(path, "shadow")));
         let on_limiter_failure = match f.get("on_limiter_failure") {
             Some(n) => self.failure_policy(n, &join(path, "on_limiter_failure")),
@@ -486,12 +532,31 @@ impl Cx<'_> {
         })
     }
 
-    fn tenant(&mut self, node: &Node, path: &str) -> Option<TenantSpec> {
-        let f = self.fields(node, path, &["limit", "routes", "per_key"])?;
-        let limit = f
+    fn tenant(&mut self, node: &Node, path: &str, default: bool) -> Option<TenantSpec> {
+        let f = self.fields(node, path, &["limit", "shares", "routes", "per_key"])?;
+        let mut limit = f
             .get("limit")
             .map(|n| self.budgets(n, &join(path, "limit"), "tenant"))
             .unwrap_or_default();
+        if let Some(n) = f.get("shares") {
+            let spath = join(path, "shares");
+            if default {
+                self.err(
+                    n.pos,
+                    &spath,
+                    "the `default` tenant's limits are every unlisted tenant's, each with its own \
+                     counters: shares are given to listed tenants only",
+                );
+            } else if limit.iter().count() != 1 {
+                self.err(
+                    n.pos,
+                    &spath,
+                    "shares divide one limit: give the tenant a single `limit`",
+                );
+            } else if let Some(rule) = limit.first().cloned() {
+                limit = Budgets::one(self.with_shares(rule, Some(n), &spath, ShareLevel::Tenant));
+            }
+        }
         let per_key = f
             .get("per_key")
             .map(|n| self.budgets(n, &join(path, "per_key"), "key"))
@@ -514,6 +579,302 @@ impl Cx<'_> {
             }
         }
         Some(TenantSpec { limit, routes, per_key })
+    }
+
+    /// `rule` with the classes `node` divides it into (when given).
+    fn with_shares(
+        &mut self,
+        mut rule: LimitRule,
+        node: Option<&Node>,
+        path: &str,
+        level: ShareLevel,
+    ) -> LimitRule {
+        let Some(node) = node else { return rule };
+        if rule.limit.is_concurrency() {
+            self.err(
+                node.pos,
+                path,
+                "shares divide a rate or a window's units; a concurrency level's permits \
+                 are not divided (give classes their own concurrency levels)",
+            );
+            return rule;
+        }
+        const CLASS: &[&str] = &[
+            "tenants",
+            "routes",
+            "keys",
+            "reserved",
+            "weight",
+            "max_borrow",
+            "priority",
+            "min_share",
+        ];
+        let Some(entries) = self.entries(node, path) else { return rule };
+        if entries.is_empty() {
+            self.err(node.pos, path, "expected at least one class");
+            return rule;
+        }
+        if entries.len() >= share::MAX_CLASSES {
+            self.err(
+                node.pos,
+                path,
+                format!("at most {} classes divide one level", share::MAX_CLASSES - 1),
+            );
+            return rule;
+        }
+        let quota = rule.limit.quota().0;
+        let mut classes = Vec::with_capacity(entries.len());
+        let mut catch_all: Option<Pos> = None;
+        let mut ok = true;
+        for (k, v) in entries {
+            let cpath = join(path, &k.text);
+            let name = &k.text;
+            if name.is_empty()
+                || name.len() > 64
+                || !name.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-')
+            {
+                self.err(
+                    k.pos,
+                    &cpath,
+                    "a class name is 1 to 64 letters, digits, `_` or `-` (it is a metric label)",
+                );
+                ok = false;
+            }
+            let Some(f) = self.fields(v, &cpath, CLASS) else {
+                ok = false;
+                continue;
+            };
+            let mut patterns = |cx: &mut Self, field: &str| -> Vec<share::Pattern> {
+                let Some(n) = f.get(field) else { return Vec::new() };
+                let fpath = join(&cpath, field);
+                let Value::Seq(items) = &n.value else {
+                    cx.err(n.pos, &fpath, "expected a list of names (`abc*` for a prefix)");
+                    ok = false;
+                    return Vec::new();
+                };
+                if items.is_empty() {
+                    cx.err(
+                        n.pos,
+                        &fpath,
+                        "an empty list matches nothing; leave it out to match any",
+                    );
+                    ok = false;
+                }
+                items
+                    .iter()
+                    .filter_map(|i| {
+                        let t = cx.string(i, &fpath)?;
+                        if t.is_empty() || t.len() > 256 || t.chars().any(char::is_control) {
+                            cx.err(
+                                i.pos,
+                                &fpath,
+                                "a name is 1 to 256 bytes, no control characters",
+                            );
+                            return None;
+                        }
+                        Some(share::Pattern::new(t))
+                    })
+                    .collect()
+            };
+            let tenants = patterns(self, "tenants");
+            let routes = patterns(self, "routes");
+            let keys = patterns(self, "keys");
+            let (own, field) = match level {
+                ShareLevel::Tenant => (!tenants.is_empty(), "tenants"),
+                ShareLevel::Route => (!routes.is_empty(), "routes"),
+                ShareLevel::Global => (false, ""),
+            };
+            if own {
+                self.err(
+                    f.get(field).map_or(f.pos, |n| n.pos),
+                    &join(&cpath, field),
+                    format!(
+                        "this level is one {}'s: every request it sees has the same",
+                        &field[..field.len() - 1]
+                    ),
+                );
+                ok = false;
+            }
+            if let (Some(names), Some(n)) = (&self.tenant_names, f.get("tenants")) {
+                let stray: Vec<&str> = tenants
+                    .iter()
+                    .filter_map(share::Pattern::exact)
+                    .filter(|t| !names.iter().any(|n| n == t))
+                    .collect();
+                if !stray.is_empty() && stray.len() == tenants.len() {
+                    self.err(
+                        n.pos,
+                        &join(&cpath, "tenants"),
+                        format!(
+                            "matches nothing: `{}` is not a listed tenant and unlisted tenants \
+                             are rejected",
+                            stray[0]
+                        ),
+                    );
+                    ok = false;
+                }
+            }
+            let mut amount = |cx: &mut Self, field: &str| -> u64 {
+                f.get(field).map_or(0, |n| {
+                    cx.share_amount(n, &join(&cpath, field), quota).unwrap_or_else(|| {
+                        ok = false;
+                        0
+                    })
+                })
+            };
+            let reserved = amount(self, "reserved");
+            let min_share = amount(self, "min_share");
+            let max_borrow = f.get("max_borrow").map(|n| {
+                self.share_amount(n, &join(&cpath, "max_borrow"), quota).unwrap_or_else(|| {
+                    ok = false;
+                    0
+                })
+            });
+            let weight = match f.get("weight") {
+                Some(n) => self.positive(n, &join(&cpath, "weight"), 1_000).unwrap_or_else(|| {
+                    ok = false;
+                    NonZeroU64::MIN
+                }),
+                None => NonZeroU64::MIN,
+            };
+            let priority = match f.get("priority") {
+                Some(n) => match n.value {
+                    Value::Int(p @ 0..=100) => u8::try_from(p).unwrap_or(0),
+                    _ => {
+                        self.err(
+                            n.pos,
+                            &join(&cpath, "priority"),
+                            "expected an integer from 0 to 100",
+                        );
+                        ok = false;
+                        0
+                    }
+                },
+                None => 0,
+            };
+            let class = share::ShareClass {
+                name: name.as_str().into(),
+                tenants,
+                routes,
+                keys,
+                reserved,
+                weight,
+                max_borrow,
+                priority,
+                min_share,
+            };
+            if class.is_catch_all() {
+                if let Some(first) = catch_all {
+                    self.err(
+                        k.pos,
+                        &cpath,
+                        format!(
+                            "a second class matching every request (the first at line {}); \
+                             give it `tenants`, `routes` or `keys`",
+                            first.line
+                        ),
+                    );
+                    ok = false;
+                }
+                catch_all = Some(k.pos);
+            }
+            classes.push(class);
+        }
+        if catch_all.is_none() && classes.iter().any(|c| &*c.name == share::OTHER) {
+            self.err(
+                node.pos,
+                path,
+                format!(
+                    "`{}` names the class of requests no other class matches; with no class \
+                     matching every request, rename this one",
+                    share::OTHER
+                ),
+            );
+            ok = false;
+        }
+        let pct = |ppm: u64| format!("{}%", ppm as f64 / 10_000.0);
+        let reserved: u64 = classes.iter().map(|c| c.reserved).sum();
+        let floors: u64 = classes.iter().map(|c| c.reserved.max(c.min_share)).sum();
+        if reserved > share::PPM {
+            self.err(
+                node.pos,
+                path,
+                format!("reservations add up to {}, more than the level", pct(reserved)),
+            );
+            ok = false;
+        } else if floors > share::PPM {
+            self.err(
+                node.pos,
+                path,
+                format!(
+                    "reservations and minimum shares add up to {}, more than the level",
+                    pct(floors)
+                ),
+            );
+            ok = false;
+        }
+        if ok {
+            rule.shares = Some(Arc::new(share::Shares::new(classes)));
+        }
+        rule
+    }
+
+    /// A share of a level: `N%` (up to four decimals) or a number of units of the
+    /// level's limit (its burst for a token bucket), at most the whole level; in ppm.
+    fn share_amount(&mut self, node: &Node, path: &str, quota: u64) -> Option<u64> {
+        let whole = || format!("at most the whole level ({quota} units, 100%)");
+        match &node.value {
+            Value::Int(i) if *i < 0 => {
+                self.err(node.pos, path, format!("must not be negative, found {i}"));
+                None
+            }
+            Value::Int(i) if *i > i128::from(quota) => {
+                self.err(node.pos, path, format!("found {i}: {}", whole()));
+                None
+            }
+            Value::Int(i) => {
+                u64::try_from(i.unsigned_abs() * u128::from(share::PPM) / u128::from(quota.max(1)))
+                    .ok()
+            }
+            Value::Str(t) if t.ends_with('%') => {
+                let num = &t[..t.len() - 1];
+                let (int, frac) = num.split_once('.').unwrap_or((num, ""));
+                let digits = |s: &str| !s.is_empty() && s.bytes().all(|b| b.is_ascii_digit());
+                if !digits(int)
+                    || (!frac.is_empty() && !digits(frac))
+                    || frac.len() > 4
+                    || int.len() > 3
+                {
+                    self.err(
+                        node.pos,
+                        path,
+                        format!(
+                            "expected a percentage like `30%` or `12.5%`, found `{}`",
+                            crate::text::shorten(t)
+                        ),
+                    );
+                    return None;
+                }
+                let frac4 = format!("{frac:0<4}");
+                let ppm = int.parse::<u64>().ok()? * 10_000 + frac4.parse::<u64>().ok()?;
+                if ppm > share::PPM {
+                    self.err(node.pos, path, format!("found `{t}`: {}", whole()));
+                    return None;
+                }
+                Some(ppm)
+            }
+            other => {
+                self.err(
+                    node.pos,
+                    path,
+                    format!(
+                        "expected a percentage like `30%` or a number of units, found {}",
+                        other.kind()
+                    ),
+                );
+                None
+            }
+        }
     }
 
     /// A level's limit, or a list of budgets (each a limit, named apart: by default
@@ -694,9 +1055,11 @@ impl Cx<'_> {
                 })
             }
         };
-        let rule = limit
-            .zip(name)
-            .map(|(limit, name)| LimitRule { limit: Arc::new(limit), name: name.into() });
+        let rule = limit.zip(name).map(|(limit, name)| LimitRule {
+            limit: Arc::new(limit),
+            name: name.into(),
+            shares: None,
+        });
         (rule, Some(f))
     }
 

@@ -32,6 +32,8 @@ pub struct LimitRule {
     pub limit: Arc<Limit>,
     /// The name reported in `RateLimit-Policy` headers and the admin port.
     pub name: Arc<str>,
+    /// How the level is divided among classes of requests, if it is.
+    pub shares: Option<Arc<crate::share::Shares>>,
 }
 
 /// The limits of a tenant's or a key's level: usually one; several budgets (tokens

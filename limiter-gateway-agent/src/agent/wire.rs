@@ -32,6 +32,7 @@ pub(super) fn reason(r: pb::Reason) -> Option<Reason> {
         pb::Reason::EmergencyCeiling => Reason::EmergencyCeiling,
         pb::Reason::LimiterUnavailable => Reason::LimiterUnavailable,
         pb::Reason::UnknownTenant => Reason::UnknownTenant,
+        pb::Reason::ShareLimit => Reason::ShareLimit,
     })
 }
 

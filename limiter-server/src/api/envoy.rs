@@ -275,7 +275,11 @@ impl OverrideRules {
             NonZeroU64::new(n).expect("checked positive"),
             window,
         ));
-        let rule = Arc::new(LimitRule { limit: Arc::new(limit), name: Arc::from(OVERRIDE_NAME) });
+        let rule = Arc::new(LimitRule {
+            limit: Arc::new(limit),
+            name: Arc::from(OVERRIDE_NAME),
+            shares: None,
+        });
         rules.insert((n, unit), Arc::clone(&rule));
         rule
     }

@@ -168,8 +168,11 @@ impl Owner {
             chains.push(chain);
         }
         let mut outcomes = Vec::with_capacity(requests.len());
+        let mut shares_taken = Vec::with_capacity(requests.len());
         for (i, (req, chain)) in requests.iter().zip(&chains).enumerate() {
             let now = self.clock.now();
+            let mut share_class = None;
+            let mut taken = super::shares::Taken::default();
             let envoy_permit = (api == Api::Envoy)
                 .then(|| chain.levels().find(|l| l.rule.limit.is_concurrency()))
                 .flatten();
@@ -187,7 +190,24 @@ impl Owner {
             } else if unreachable {
                 Err(ServerError::Unavailable("the tenant's owner is unreachable".into()))
             } else {
-                self.decide_one(req, chain, now).await
+                // The request's class takes its share first; what the store then
+                // refuses goes back to it.
+                match self.shares.take(req, chain, now) {
+                    Err(refused) => {
+                        share_class = Some(refused.class);
+                        let verdict = Verdict { decision: refused.decision, shadow: chain.shadow };
+                        Ok((verdict, Charged { at: now, hold: 0 }))
+                    }
+                    Ok(t) => {
+                        let decided = self.decide_one(req, chain, now).await;
+                        if matches!(&decided, Ok((v, _)) if v.decision.is_allowed()) {
+                            taken = t;
+                        } else {
+                            self.shares.give_back(&t, self.clock.now());
+                        }
+                        decided
+                    }
+                }
             };
             let (verdict, fell_back, charged_at) = match decided {
                 Ok((v, at)) => (v, false, at),
@@ -247,11 +267,16 @@ impl Owner {
                 charged_at,
                 ticket,
                 permit,
+                share_class,
             });
+            shares_taken.push(taken);
         }
         let rejected = outcomes.iter().any(|o| !o.verdict.admitted());
         if charge == Charge::AllOrNothing && rejected {
-            for ((o, chain), req) in outcomes.iter_mut().zip(&chains).zip(requests) {
+            for (((o, chain), req), taken) in
+                outcomes.iter_mut().zip(&chains).zip(requests).zip(&shares_taken)
+            {
+                self.shares.give_back(taken, self.clock.now());
                 if let Some((text, _)) = o.permit.take()
                     && let Ok(id) = Permits::parse(&text)
                 {

@@ -197,7 +197,11 @@ impl Owner {
         // A chain with a concurrency level is decided per request: its permits are
         // held for the request's life, not spent, so a leased batch of them would
         // stay taken until its TTL.
-        let exact = (chain.route.lease.exact || super::permits::first_level(&chain).is_some())
+        // So is a chain with a divided level: its classes' shares are taken per
+        // request at the owner.
+        let exact = (chain.route.lease.exact
+            || super::permits::first_level(&chain).is_some()
+            || super::shares::divided(&chain))
             && slice_of.is_none();
         // How long the grant can be spent: the route's TTL (a slice's own TTL), cut
         // by window ends.
@@ -561,6 +565,7 @@ impl Owner {
             charged_at: crate::store::Charged { at: now, hold: 0 },
             ticket: None,
             permit: None,
+            share_class: None,
         };
         outcome.response()
     }

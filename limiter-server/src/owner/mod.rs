@@ -10,6 +10,8 @@ pub mod lease;
 mod permits;
 pub use permits::check_policy as check_concurrency;
 pub mod reload;
+mod shares;
+pub use shares::check_policy as check_shares;
 mod tickets;
 
 use std::collections::HashMap;
@@ -35,6 +37,7 @@ use crate::owner::reload::PolicyHolder;
 use crate::store::{Charged, Store};
 
 use self::permits::Permits;
+use self::shares::ShareGates;
 use self::tickets::Tickets;
 
 /// A route counts as in fallback this long after its last failure-policy decision.
@@ -61,6 +64,8 @@ pub struct Outcome {
     /// The permit an admission on a chain with a concurrency level holds, and when it
     /// is reclaimed unless renewed.
     pub permit: Option<(String, Nanos)>,
+    /// The class whose share refused the request (`SHARE_LIMIT`).
+    pub share_class: Option<Arc<str>>,
 }
 
 impl Outcome {
@@ -79,6 +84,7 @@ impl Outcome {
             charged_at: Charged { at: now, hold: 0 },
             ticket: None,
             permit: None,
+            share_class: None,
         }
     }
 
@@ -96,6 +102,7 @@ impl Outcome {
                 expires_in: Some(convert::duration(expires_at.saturating_sub(o.charged_at.at))),
                 units: o.charged,
             }),
+            share_class: o.share_class.as_deref().unwrap_or_default().to_owned(),
             ..Default::default()
         };
         let name = o.limit_name.as_deref();
@@ -184,6 +191,7 @@ pub struct Owner {
     limits: Limits,
     tickets: Tickets,
     permits: Permits,
+    shares: ShareGates,
     ready: AtomicBool,
     latency: [Histogram; 3],
     leases: Leases,
@@ -222,6 +230,7 @@ impl Owner {
                 max: limits.max_open_tickets,
             },
             permits: Permits::new(limits.max_held_permits),
+            shares: ShareGates::default(),
             ready: AtomicBool::new(false),
             latency: [Api::Native, Api::Envoy, Api::Lease]
                 .map(|a| metrics::histogram!(m::DECISION_SECONDS, "api" => a.as_str())),
@@ -317,6 +326,7 @@ impl Owner {
         let dropped = self.store.sweep(self.clock.now());
         tracing::trace!(dropped, "swept idle counters");
         self.permits.sweep(self.clock.now());
+        self.shares.sweep(&self.policies.current().policy, self.clock.now());
         let (held, _) = self.permits.live(self.clock.now());
         metrics::gauge!(m::PERMITS_HELD).set(held as f64);
         self.sweep_stats();

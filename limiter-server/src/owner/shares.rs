@@ -1,0 +1,221 @@
+//! Fair shares on the owner: the gates of the divided levels this node decides (the
+//! global ceiling, routes' limits, listed tenants' limits with `shares`), taken before
+//! the store is asked and given back when the store refuses.
+//!
+//! A gate lives as long as its level has shares in the active policy; a reload keeps
+//! what each class (by name) took and its demand.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use limiter_core::clock::Nanos;
+use limiter_core::policy::{Chain, Level, Policy, Request};
+use limiter_core::share::{ShareDenied, ShareGate, Shares};
+use limiter_core::{Decision, Limit, Scope};
+use parking_lot::Mutex;
+
+use crate::metrics as m;
+
+/// A divided level: its scope and the name that tells it apart (a route's, a
+/// tenant's; none for the global ceiling).
+type GateId = (Scope, Box<str>);
+
+struct Entry {
+    shares: Arc<Shares>,
+    gate: ShareGate,
+}
+
+/// The gates of the divided levels.
+#[derive(Default)]
+pub(crate) struct ShareGates {
+    gates: Mutex<HashMap<GateId, Entry>>,
+}
+
+/// What one request took from the gates of its chain.
+#[derive(Debug, Default)]
+pub(crate) struct Taken {
+    parts: Vec<(Scope, Box<str>, usize, u64)>,
+    at: Nanos,
+}
+
+/// A request refused by its class's share.
+#[derive(Debug, Clone)]
+pub(crate) struct Refused {
+    /// The refusal.
+    pub(crate) decision: Decision,
+    /// The class.
+    pub(crate) class: Arc<str>,
+}
+
+fn gate_id(level: &Level<'_>) -> Option<GateId> {
+    let name = match level.scope {
+        Scope::Global => "",
+        Scope::Route => level.key.route,
+        Scope::Tenant => level.key.tenant,
+        Scope::TenantRoute | Scope::Key => return None,
+    };
+    Some((level.scope, name.into()))
+}
+
+/// Whether any level of `chain` is divided into shares.
+pub(crate) fn divided(chain: &Chain<'_>) -> bool {
+    chain.levels().any(|l| l.rule.shares.is_some())
+}
+
+impl ShareGates {
+    /// Takes `chain.cost` from the class of `req` at every divided level of `chain`
+    /// (a dry run checks only), all or nothing.
+    pub(crate) fn take(
+        &self,
+        req: &Request<'_>,
+        chain: &Chain<'_>,
+        now: Nanos,
+    ) -> Result<Taken, Refused> {
+        let mut taken = Taken { parts: Vec::new(), at: now };
+        if !divided(chain) || chain.unknown_tenant {
+            return Ok(taken);
+        }
+        let charge = !chain.dry_run && chain.cost > 0;
+        let mut gates = self.gates.lock();
+        for level in chain.levels() {
+            let (Some(shares), Some(id)) = (&level.rule.shares, gate_id(&level)) else {
+                continue;
+            };
+            let entry = entry(&mut gates, id.clone(), shares, *level.rule.limit, now);
+            let class = shares.class_of(req.tenant, req.route, req.key);
+            match entry.gate.take(shares, class, chain.cost, charge, now) {
+                Ok(_) => {
+                    if charge {
+                        taken.parts.push((id.0, id.1, class, chain.cost));
+                    }
+                }
+                Err(ShareDenied { retry_after, limit, .. }) => {
+                    let name = shares.classes()[class].name.clone();
+                    give_back(&mut gates, &taken, now);
+                    metrics::counter!(
+                        m::SHARE_REJECTIONS,
+                        "scope" => level.scope.as_str(),
+                        "class" => name.to_string()
+                    )
+                    .increment(1);
+                    let decision = Decision::Rejected {
+                        reason: limiter_core::Reason::ShareLimit,
+                        scope: level.scope,
+                        limit: Some(limit.unwrap_or(*level.rule.limit)),
+                        retry_after,
+                    };
+                    return Err(Refused { decision, class: name });
+                }
+            }
+        }
+        Ok(taken)
+    }
+
+    /// Gives back what `taken` took (the store refused the request, or it was
+    /// refunded).
+    pub(crate) fn give_back(&self, taken: &Taken, now: Nanos) {
+        if !taken.parts.is_empty() {
+            give_back(&mut self.gates.lock(), taken, now);
+        }
+    }
+
+    /// Drops the gates of levels no longer divided, and publishes every class's
+    /// allocation.
+    #[allow(clippy::cast_precision_loss)] // gauge values
+    pub(crate) fn sweep(&self, policy: &Policy, now: Nanos) {
+        let mut gates = self.gates.lock();
+        gates.retain(|(scope, name), e| {
+            let rule = match scope {
+                Scope::Global => policy.global.as_ref(),
+                Scope::Route => policy.routes.get(name).and_then(|r| r.limit.as_ref()),
+                Scope::Tenant => policy.tenants.get(name).and_then(|t| t.limit.first()),
+                Scope::TenantRoute | Scope::Key => None,
+            };
+            rule.and_then(|r| r.shares.as_ref()).is_some_and(|s| **s == *e.shares)
+        });
+        for ((scope, _), e) in gates.iter_mut() {
+            for c in e.gate.view(&e.shares, now) {
+                metrics::gauge!(
+                    m::SHARE_ALLOCATION,
+                    "scope" => scope.as_str(),
+                    "class" => c.name.to_string()
+                )
+                .set(c.ppm as f64 / limiter_core::share::PPM as f64);
+            }
+        }
+    }
+
+    /// Every divided level's classes as they stand: (scope, name, class views).
+    pub(crate) fn views(
+        &self,
+        now: Nanos,
+    ) -> Vec<(Scope, Box<str>, Vec<limiter_core::share::ClassView>)> {
+        let mut gates = self.gates.lock();
+        let mut out: Vec<_> = gates
+            .iter_mut()
+            .map(|((s, n), e)| (*s, n.clone(), e.gate.view(&e.shares, now)))
+            .collect();
+        out.sort_by(|a, b| (a.0, &a.1).cmp(&(b.0, &b.1)));
+        out
+    }
+}
+
+/// The gate of `id`, made (or carried over from another policy's) for `shares`.
+fn entry<'g>(
+    gates: &'g mut HashMap<GateId, Entry>,
+    id: GateId,
+    shares: &Arc<Shares>,
+    base: Limit,
+    now: Nanos,
+) -> &'g mut Entry {
+    let e = gates
+        .entry(id)
+        .or_insert_with(|| Entry { shares: shares.clone(), gate: ShareGate::new(base, shares) });
+    if !Arc::ptr_eq(&e.shares, shares) {
+        if *e.shares != **shares || *e.gate.base() != base {
+            e.gate = e.gate.carried(&e.shares, base, shares, now);
+        }
+        e.shares = shares.clone();
+    }
+    e
+}
+
+fn give_back(gates: &mut HashMap<GateId, Entry>, taken: &Taken, now: Nanos) {
+    for (scope, name, class, units) in &taken.parts {
+        if let Some(e) = gates.get_mut(&(*scope, name.clone())) {
+            e.gate.give_back(*class, *units, taken.at, now);
+        }
+    }
+}
+
+/// Refuses shares a node cannot keep: on a root level (the global ceiling, a route's
+/// limit) in a cluster, where other nodes spend slices of the level that the owner's
+/// gates never see.
+///
+/// # Errors
+///
+/// Every such level, one line each.
+pub fn check_policy(policy: &Policy, clustered: bool) -> Result<(), String> {
+    const WHY: &str = "in a cluster, the global ceiling and routes' limits are spent \
+                       through slices held by every node, which the classes' shares do not \
+                       divide yet; put the shares on tenants' limits (tenants.<t>.shares), \
+                       or run one node";
+    if !clustered {
+        return Ok(());
+    }
+    let mut errors = Vec::new();
+    if policy.global.as_ref().is_some_and(|g| g.shares.is_some()) {
+        errors.push(format!("global.shares: {WHY}"));
+    }
+    let mut routes: Vec<&str> = policy
+        .routes
+        .iter()
+        .filter(|(_, r)| r.limit.as_ref().is_some_and(|l| l.shares.is_some()))
+        .map(|(n, _)| n.as_ref())
+        .collect();
+    routes.sort_unstable();
+    for name in routes {
+        errors.push(format!("routes.{name}.shares: {WHY}"));
+    }
+    if errors.is_empty() { Ok(()) } else { Err(errors.join("\n")) }
+}

@@ -232,8 +232,17 @@ fn water_fill(wants: &[u64], weights: &[u64], mut avail: u64) -> Vec<u64> {
 /// `None` when the scaled limit rounds to nothing (the class is refused); a
 /// concurrency limit has no shares (the loader refuses them).
 pub fn scaled(limit: &Limit, ppm: u64) -> Option<Limit> {
+    if ppm == 0 {
+        return None;
+    }
     let part = |x: u64| {
         NonZeroU64::new(u64::try_from(u128::from(x) * u128::from(ppm) / u128::from(PPM)).ok()?)
+    };
+    // Sizes (a bucket's burst, a window's limit) round up: any share holds at least
+    // one unit, so a class with a share is never refused outright by rounding.
+    let size = |x: u64| {
+        let units = (u128::from(x) * u128::from(ppm)).div_ceil(u128::from(PPM));
+        NonZeroU64::new(u64::try_from(units).ok()?.max(1))
     };
     Some(match limit {
         Limit::TokenBucket(b) => {
@@ -244,18 +253,21 @@ pub fn scaled(limit: &Limit, ppm: u64) -> Option<Limit> {
                 (Some(a), _) if a.get() >= 1_000 => Rate::try_new(a.get(), period).ok()?,
                 (_, Some(a)) => Rate::try_new(a.get(), period * 1_000).ok()?,
                 (Some(a), None) => Rate::try_new(a.get(), period).ok()?,
-                (None, None) => return None,
+                // Less than a thousandth of a unit a period: the least rate there is.
+                (None, None) => {
+                    Rate::try_new(1, period.saturating_mul(1_000).min(MAX_PERIOD)).ok()?
+                }
             };
-            Limit::TokenBucket(TokenBucket::new(rate, part(b.burst().get())?))
+            Limit::TokenBucket(TokenBucket::new(rate, size(b.burst().get())?))
         }
         Limit::FixedWindow(w) => {
-            Limit::FixedWindow(FixedWindow::with_window(part(w.limit().get())?, w.window()))
+            Limit::FixedWindow(FixedWindow::with_window(size(w.limit().get())?, w.window()))
         }
         Limit::SlidingCounter(w) => {
-            Limit::SlidingCounter(SlidingCounter::with_window(part(w.limit().get())?, w.window()))
+            Limit::SlidingCounter(SlidingCounter::with_window(size(w.limit().get())?, w.window()))
         }
         Limit::SlidingLog(w) => {
-            Limit::SlidingLog(SlidingLog::new(part(w.limit().get())?, w.window()))
+            Limit::SlidingLog(SlidingLog::new(size(w.limit().get())?, w.window()))
         }
         Limit::Concurrency(_) => return None,
     })
@@ -360,6 +372,8 @@ pub struct ShareGate {
     classes: Vec<ClassGate>,
     /// When allocations are next recomputed.
     next_at: Nanos,
+    /// When they last were.
+    computed_at: Nanos,
 }
 
 /// A class's allocation as the status page shows it.
@@ -384,7 +398,7 @@ impl ShareGate {
     /// A gate over a level of limit `base` divided as `shares` says, with every class
     /// at the allocation of no demand.
     pub fn new(base: Limit, shares: &Shares) -> Self {
-        let mut g = Self { base, classes: Vec::new(), next_at: 0 };
+        let mut g = Self { base, classes: Vec::new(), next_at: 0, computed_at: 0 };
         g.classes = shares
             .classes()
             .iter()
@@ -426,17 +440,25 @@ impl ShareGate {
         &self.base
     }
 
-    fn recompute(&mut self, shares: &Shares, now: Nanos) {
+    /// A class's demand with its headroom, in ppm of the level's sustained rate.
+    fn demand_ppm(&mut self, class: usize, now: Nanos) -> u64 {
         let (q, span) = self.base.quota();
         let level_per_sec = u128::from(q) * u128::from(NANOS_PER_SEC) / u128::from(span.max(1));
-        let demand: Vec<u64> = self
-            .classes
-            .iter_mut()
-            .map(|c| {
-                let d = u128::from(with_headroom(c.demand.per_sec(now))) * u128::from(PPM);
-                u64::try_from(d / level_per_sec.max(1)).unwrap_or(u64::MAX)
-            })
-            .collect();
+        let Some(c) = self.classes.get_mut(class) else { return 0 };
+        let d = u128::from(with_headroom(c.demand.per_sec(now))) * u128::from(PPM);
+        u64::try_from(d / level_per_sec.max(1)).unwrap_or(u64::MAX)
+    }
+
+    /// Whether `class` is allocated less than its reservation or minimum share would
+    /// give it at its demand now.
+    fn short_of_floor(&mut self, shares: &Shares, class: usize, now: Nanos) -> bool {
+        let Some(s) = shares.classes().get(class) else { return false };
+        let floor = s.reserved.max(s.min_share).min(self.demand_ppm(class, now)) / 1_000 * 1_000;
+        self.classes.get(class).is_some_and(|c| c.ppm.unwrap_or(0) < floor)
+    }
+
+    fn recompute(&mut self, shares: &Shares, now: Nanos) {
+        let demand: Vec<u64> = (0..self.classes.len()).map(|i| self.demand_ppm(i, now)).collect();
         let alloc = allocate(shares.classes(), &demand);
         for (c, ppm) in self.classes.iter_mut().zip(alloc) {
             // Whole thousandths: a class's limit changes when its allocation moves by
@@ -456,6 +478,7 @@ impl ShareGate {
             c.last = new.or(c.last);
         }
         self.next_at = (now / SLOT + 1) * SLOT;
+        self.computed_at = now;
     }
 
     fn refresh(&mut self, shares: &Shares, now: Nanos) {
@@ -482,6 +505,28 @@ impl ShareGate {
             c.demand.record(now, cost);
         }
         self.refresh(shares, now);
+        match self.try_take(class, cost, charge, now) {
+            // Refused below what the class is owed (a reserved class back from
+            // idle, whose allocation lags its demand): computed afresh at once, at
+            // most once a millisecond.
+            Err(_)
+                if now >= self.computed_at.saturating_add(1_000_000)
+                    && self.short_of_floor(shares, class, now) =>
+            {
+                self.recompute(shares, now);
+                self.try_take(class, cost, charge, now)
+            }
+            r => r,
+        }
+    }
+
+    fn try_take(
+        &mut self,
+        class: usize,
+        cost: u64,
+        charge: bool,
+        now: Nanos,
+    ) -> Result<u64, ShareDenied> {
         let next_at = self.next_at;
         let Some(c) = self.classes.get_mut(class) else { return Ok(u64::MAX) };
         let Some(limit) = c.limit else {

@@ -103,17 +103,18 @@ impl TokenBucket {
         state: &TokenBucketState,
         now: Nanos,
     ) -> TokenBucketState {
-        // Used tokens ahead of now, in `old`'s scaled units (one token: old period);
-        // in this bucket's (one token: this period).
+        // In each bucket's scaled units one token is its period.
+        let (p_old, p_new) = (old.period().max(1), self.period());
+        let (cap_old, cap_new) = (old.capacity_scaled(), self.capacity_scaled());
         let used_old = old.used(state, now);
-        let used = used_old * self.period() / old.period().max(1)
-            + u128::from(used_old * self.period() % old.period().max(1) != 0);
-        // What is left may shrink to this bucket's size, never grow.
-        let left_old =
-            old.capacity_scaled().saturating_sub(used_old) * self.period() / old.period();
-        let used = used.max(self.capacity_scaled().saturating_sub(left_old)).min(self.max_used());
+        let used = match used_old.checked_sub(cap_old) {
+            // In debt: the same debt, rounded up.
+            Some(debt) => cap_new + (debt * p_new).div_ceil(p_old),
+            // The same tokens left (rounded down), at most a full bucket.
+            None => cap_new.saturating_sub((cap_old - used_old) * p_new / p_old),
+        };
         let mut out = TokenBucketState::default();
-        out.set_tat(self.scaled(now) + used);
+        out.set_tat(self.scaled(now) + used.min(self.max_used()));
         out
     }
 }
@@ -250,5 +251,43 @@ mod tests {
         b.charge(&mut s, 0, 8);
         assert_eq!(b.remaining(&s, 0), 0);
         assert_eq!(b.retry_after(&s, 0, 1), 4_000_000_000);
+    }
+}
+
+#[cfg(test)]
+mod carry_tests {
+    use super::*;
+
+    #[test]
+    fn carried_tokens_are_kept_to_the_fraction_and_never_grow() {
+        let bucket = |amount: u64, period: u64, burst: u64| {
+            TokenBucket::new(
+                Rate::try_new(amount, period).unwrap(),
+                NonZeroU64::new(burst).unwrap(),
+            )
+        };
+        let a = bucket(50_000, 1_000_000_000_000, 50);
+        let b = bucket(51_000, 1_000_000_000_000, 51);
+        let c = bucket(7, 1_000_000_000, 7);
+        let now = 1_796_240_257_221_819_613;
+        let mut s = TokenBucketState::default();
+        a.charge(&mut s, now, 10);
+        // Back and forth at one instant: exactly the same tokens, however often.
+        for i in 0..40 {
+            let (from, to) = if i % 2 == 0 { (&a, &b) } else { (&b, &a) };
+            s = to.carry(from, &s, now);
+            assert_eq!(to.remaining(&s, now), 40, "step {i}");
+        }
+        // To a smaller bucket: at most its size, and no more on the way back.
+        s = c.carry(&a, &s, now);
+        assert_eq!(c.remaining(&s, now), 7);
+        s = a.carry(&c, &s, now);
+        assert_eq!(a.remaining(&s, now), 7);
+        // A debt stays a debt.
+        let mut d = TokenBucketState::default();
+        a.charge(&mut d, now, 60);
+        let e = b.carry(&a, &d, now);
+        assert_eq!(b.remaining(&e, now), 0);
+        assert!(b.retry_after(&e, now, 1) > 0);
     }
 }

@@ -144,20 +144,6 @@ impl ShareGates {
             }
         }
     }
-
-    /// Every divided level's classes as they stand: (scope, name, class views).
-    pub(crate) fn views(
-        &self,
-        now: Nanos,
-    ) -> Vec<(Scope, Box<str>, Vec<limiter_core::share::ClassView>)> {
-        let mut gates = self.gates.lock();
-        let mut out: Vec<_> = gates
-            .iter_mut()
-            .map(|((s, n), e)| (*s, n.clone(), e.gate.view(&e.shares, now)))
-            .collect();
-        out.sort_by(|a, b| (a.0, &a.1).cmp(&(b.0, &b.1)));
-        out
-    }
 }
 
 /// The gate of `id`, made (or carried over from another policy's) for `shares`.

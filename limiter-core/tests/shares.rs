@@ -223,8 +223,8 @@ unknown_tenants: use_default
 fn a_lower_priority_gets_its_minimum_share_in_every_window() {
     let policy = from_yaml(PRIORITIES, "p.yaml").unwrap();
     let out = run(&policy, &["gold", "bronze"], 12, |_, _| 5_000);
-    for s in 1..12usize {
-        let (gold, bronze) = (out[0][s].0, out[1][s].0);
+    for (s, (g, b)) in out[0].iter().zip(&out[1]).enumerate().skip(1) {
+        let (gold, bronze) = (g.0, b.0);
         assert!(gold + bronze <= 1_000, "second {s}: {gold} + {bronze}");
         assert!(bronze >= 100, "second {s}: bronze {bronze} below 10%");
         assert!(gold >= 850, "second {s}: gold {gold}: priority takes the rest");

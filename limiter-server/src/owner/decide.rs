@@ -194,6 +194,7 @@ impl Owner {
                 // refuses goes back to it.
                 match self.shares.take(req, chain, now) {
                     Err(refused) => {
+                        let refused = *refused;
                         share_class = Some(refused.class);
                         let verdict = Verdict { decision: refused.decision, shadow: chain.shadow };
                         Ok((verdict, Charged { at: now, hold: 0 }))

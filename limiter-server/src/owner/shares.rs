@@ -70,7 +70,7 @@ impl ShareGates {
         req: &Request<'_>,
         chain: &Chain<'_>,
         now: Nanos,
-    ) -> Result<Taken, Refused> {
+    ) -> Result<Taken, Box<Refused>> {
         let mut taken = Taken { parts: Vec::new(), at: now };
         if !divided(chain) || chain.unknown_tenant {
             return Ok(taken);
@@ -104,7 +104,7 @@ impl ShareGates {
                         limit: Some(limit.unwrap_or(*level.rule.limit)),
                         retry_after,
                     };
-                    return Err(Refused { decision, class: name });
+                    return Err(Box::new(Refused { decision, class: name }));
                 }
             }
         }

@@ -18,6 +18,10 @@ version: 1
 routes:
   /search: {}
   /export: { shadow: true }
+  /shared:
+    limit: { algorithm: fixed_window, limit: 2, window: 1h }
+    shares:
+      gold: { tenants: [acme], reserved: 50% }
 tenants:
   acme:
     limit: { algorithm: fixed_window, limit: 5, window: 1h }
@@ -48,6 +52,10 @@ async fn traffic(s: &TestServer) {
     allowed_of(&mut c, &ask("globex", "/checkout"), 5).await;
     allowed_of(&mut c, &ask("acme", "/export"), 3).await;
     allowed_of(&mut c, &ask("nobody", "/search"), 2).await;
+    // acme's demand keeps half of /shared for it: past the other half, globex's
+    // requests are refused by its class's share (SHARE_LIMIT).
+    allowed_of(&mut c, &ask("acme", "/shared"), 1).await;
+    allowed_of(&mut c, &ask("globex", "/shared"), 3).await;
     let _ =
         c.should_allow(pb::ShouldAllowRequest { cost: Some(0), ..ask("acme", "/search") }).await;
 }

@@ -23,6 +23,8 @@ type GateId = (Scope, Box<str>);
 struct Entry {
     shares: Arc<Shares>,
     gate: ShareGate,
+    /// When its classes' allocations were last published.
+    published_at: Nanos,
 }
 
 /// The gates of the divided levels.
@@ -83,7 +85,11 @@ impl ShareGates {
             };
             let entry = entry(&mut gates, id.clone(), shares, *level.rule.limit, now);
             let class = shares.class_of(req.tenant, req.route, req.key);
-            match entry.gate.take(shares, class, chain.cost, charge, now) {
+            let taking = entry.gate.take(shares, class, chain.cost, charge, now);
+            if now >= entry.published_at.saturating_add(limiter_core::share::SLOT) {
+                publish(level.scope, entry, now);
+            }
+            match taking {
                 Ok(_) => {
                     if charge {
                         taken.parts.push((id.0, id.1, class, chain.cost));
@@ -121,7 +127,6 @@ impl ShareGates {
 
     /// Drops the gates of levels no longer divided, and publishes every class's
     /// allocation.
-    #[allow(clippy::cast_precision_loss)] // gauge values
     pub(crate) fn sweep(&self, policy: &Policy, now: Nanos) {
         let mut gates = self.gates.lock();
         gates.retain(|(scope, name), e| {
@@ -134,15 +139,23 @@ impl ShareGates {
             rule.and_then(|r| r.shares.as_ref()).is_some_and(|s| **s == *e.shares)
         });
         for ((scope, _), e) in gates.iter_mut() {
-            for c in e.gate.view(&e.shares, now) {
-                metrics::gauge!(
-                    m::SHARE_ALLOCATION,
-                    "scope" => scope.as_str(),
-                    "class" => c.name.to_string()
-                )
-                .set(c.ppm as f64 / limiter_core::share::PPM as f64);
-            }
+            publish(*scope, e, now);
         }
+    }
+}
+
+/// Publishes the allocations of a gate's classes (at most every slot from the
+/// decision path; at every sweep).
+#[allow(clippy::cast_precision_loss)] // gauge values
+fn publish(scope: Scope, e: &mut Entry, now: Nanos) {
+    e.published_at = now;
+    for c in e.gate.view(&e.shares, now) {
+        metrics::gauge!(
+            m::SHARE_ALLOCATION,
+            "scope" => scope.as_str(),
+            "class" => c.name.to_string()
+        )
+        .set(c.ppm as f64 / limiter_core::share::PPM as f64);
     }
 }
 
@@ -154,9 +167,11 @@ fn entry<'g>(
     base: Limit,
     now: Nanos,
 ) -> &'g mut Entry {
-    let e = gates
-        .entry(id)
-        .or_insert_with(|| Entry { shares: shares.clone(), gate: ShareGate::new(base, shares) });
+    let e = gates.entry(id).or_insert_with(|| Entry {
+        shares: shares.clone(),
+        gate: ShareGate::new(base, shares),
+        published_at: 0,
+    });
     if !Arc::ptr_eq(&e.shares, shares) {
         if *e.shares != **shares || *e.gate.base() != base {
             e.gate = e.gate.carried(&e.shares, base, shares, now);

@@ -549,6 +549,47 @@ impl ShareGate {
         }
     }
 
+    /// Units `class` may take now (a lease's size is cut to it), after counting
+    /// `asked` units as its demand. `Err` when its share has none.
+    ///
+    /// # Errors
+    ///
+    /// The class's share is used up now.
+    pub fn room(
+        &mut self,
+        shares: &Shares,
+        class: usize,
+        asked: u64,
+        now: Nanos,
+    ) -> Result<u64, ShareDenied> {
+        // A check of one unit: what it leaves, plus the unit, is the room.
+        match self.take(shares, class, 1, false, now) {
+            Ok(left) => {
+                if let Some(c) = self.classes.get_mut(class) {
+                    c.demand.record(now, asked);
+                }
+                Ok(left.saturating_add(1))
+            }
+            Err(d) => {
+                if let Some(c) = self.classes.get_mut(class) {
+                    c.demand.record(now, asked);
+                }
+                Err(d)
+            }
+        }
+    }
+
+    /// Charges `units` granted to `class` (a lease sized by [`Self::room`]): taken
+    /// even past its share, which other grants in flight may have used meanwhile
+    /// (the level itself was checked).
+    pub fn charge(&mut self, class: usize, units: u64, now: Nanos) {
+        if let Some(c) = self.classes.get_mut(class)
+            && let Some(limit) = c.limit
+        {
+            limit.charge(&mut c.state, now, units);
+        }
+    }
+
     /// Gives back `units` that `class` took at `taken_at` (the level refused them, or
     /// they were refunded).
     pub fn give_back(&mut self, class: usize, units: u64, taken_at: Nanos, now: Nanos) {

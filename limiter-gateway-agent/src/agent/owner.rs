@@ -453,6 +453,7 @@ fn by_a_limit(o: &Outcome) -> bool {
                     | Reason::TenantLimit
                     | Reason::TenantRouteLimit
                     | Reason::KeyLimit
+                    | Reason::ShareLimit
             )
         )
 }

@@ -150,6 +150,11 @@ impl Owner {
         };
         let now = self.clock().now();
         let back = self.settle(holder, item, now);
+        // What the previous lease left unspent goes back to its classes' shares too
+        // (a node's slice has none).
+        if let (Some(b), None) = (back, slice_of) {
+            self.shares.give_back_units(&req, &chain, b.units, b.granted_at, now);
+        }
         let mut grant = pb::LeaseGrant {
             mode: pb::LeaseMode::Leased.into(),
             on_failure: Some(failure_policy(full.route.on_limiter_failure)),
@@ -197,11 +202,7 @@ impl Owner {
         // A chain with a concurrency level is decided per request: its permits are
         // held for the request's life, not spent, so a leased batch of them would
         // stay taken until its TTL.
-        // So is a chain with a divided level: its classes' shares are taken per
-        // request at the owner.
-        let exact = (chain.route.lease.exact
-            || super::permits::first_level(&chain).is_some()
-            || super::shares::divided(&chain))
+        let exact = (chain.route.lease.exact || super::permits::first_level(&chain).is_some())
             && slice_of.is_none();
         // How long the grant can be spent: the route's TTL (a slice's own TTL), cut
         // by window ends.
@@ -217,6 +218,34 @@ impl Owner {
             demand_per_sec: item.demand_per_sec,
             hold: chain.grant_hold(now, ttl),
             most: if slice_of.is_some() { u64::MAX } else { chain.route.lease.max_batch.get() },
+        };
+        // A divided level: the grant is no more than the request's class may take
+        // (what it asks counts as the class's demand); a class with nothing left
+        // refuses the waiting request.
+        let asked = ask.cap();
+        let ask = if exact || slice_of.is_some() {
+            ask
+        } else {
+            match self.shares.room(&req, &chain, ask.cap().max(ask.cost), now) {
+                Ok(room) if room >= ask.cost => Ask { most: ask.most.min(room), ..ask },
+                Ok(_) => {
+                    // The waiting request does not fit its class's share now.
+                    self.give_back(&chain, now, back).await?;
+                    let mut dry = chain;
+                    dry.dry_run = true;
+                    let refused = self.shares.take(&req, &dry, now).err();
+                    grant.decision = Some(match refused {
+                        Some(r) => self.share_refusal(*r, now),
+                        None => self.refusal(&chain, now, 1_000_000),
+                    });
+                    return Ok(grant);
+                }
+                Err(refused) => {
+                    self.give_back(&chain, now, back).await?;
+                    grant.decision = Some(self.share_refusal(*refused, now));
+                    return Ok(grant);
+                }
+            }
         };
         // A node's slice never goes direct (the root owner refuses instead) and is
         // not divided with others.
@@ -295,6 +324,9 @@ impl Owner {
                 return Ok(grant);
             }
         };
+        if slice_of.is_none() {
+            self.shares.charge(&req, &chain, g.units, now);
+        }
         // Filed under its ring name (a slice: its root key's), so that a move hands
         // it to the next owner of what it was granted from.
         let key = (name.into_boxed_str(), item.route.as_str().into(), req.key.map(Into::into));
@@ -323,6 +355,14 @@ impl Owner {
             if g.units < ask.cap() {
                 self.leases().cut(cid, now);
                 grant.decision = self.shortfall(&chain, now, ask.cap() - g.units);
+            } else if g.units < asked {
+                // Cut by its class's share: what the agent refuses with is the class's
+                // wait for its next unit (the level's wait for the whole ask would
+                // keep the agent away while its class's share refills unused).
+                let mut dry = chain;
+                (dry.dry_run, dry.cost) = (true, 1);
+                grant.decision =
+                    self.shares.take(&req, &dry, now).err().map(|r| self.share_refusal(*r, now));
             }
         }
         grant.window_end = ends_with_window(&chain, now, g.hold);
@@ -544,6 +584,17 @@ impl Owner {
             limiter_core::Decision::Allowed { .. } => None,
         };
         self.outcome(decision, name, now)
+    }
+
+    /// The answer to a request its class's share refused.
+    fn share_refusal(
+        &self,
+        refused: super::shares::Refused,
+        now: Nanos,
+    ) -> pb::ShouldAllowResponse {
+        let mut r = self.response(refused.decision, now);
+        r.share_class = refused.class.to_string();
+        r
     }
 
     /// The answer carrying `decision`, decided here at `now`, charging nothing.

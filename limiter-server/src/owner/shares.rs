@@ -95,26 +95,82 @@ impl ShareGates {
                         taken.parts.push((id.0, id.1, class, chain.cost));
                     }
                 }
-                Err(ShareDenied { retry_after, limit, .. }) => {
-                    let name = shares.classes()[class].name.clone();
+                Err(d) => {
                     give_back(&mut gates, &taken, now);
-                    metrics::counter!(
-                        m::SHARE_REJECTIONS,
-                        "scope" => level.scope.as_str(),
-                        "class" => name.to_string()
-                    )
-                    .increment(1);
-                    let decision = Decision::Rejected {
-                        reason: limiter_core::Reason::ShareLimit,
-                        scope: level.scope,
-                        limit: Some(limit.unwrap_or(*level.rule.limit)),
-                        retry_after,
-                    };
-                    return Err(Box::new(Refused { decision, class: name }));
+                    return Err(Box::new(refused(&level, shares, class, &d)));
                 }
             }
         }
         Ok(taken)
+    }
+
+    /// The most a lease for `req` may be granted by the classes of its chain's divided
+    /// levels (`u64::MAX` when none is divided), counting `asked` units as the
+    /// class's demand; a refusal when a class's share is used up.
+    pub(crate) fn room(
+        &self,
+        req: &Request<'_>,
+        chain: &Chain<'_>,
+        asked: u64,
+        now: Nanos,
+    ) -> Result<u64, Box<Refused>> {
+        let mut room = u64::MAX;
+        if !divided(chain) || chain.unknown_tenant {
+            return Ok(room);
+        }
+        let mut gates = self.gates.lock();
+        for level in chain.levels() {
+            let (Some(shares), Some(id)) = (&level.rule.shares, gate_id(&level)) else {
+                continue;
+            };
+            let entry = entry(&mut gates, id, shares, *level.rule.limit, now);
+            let class = shares.class_of(req.tenant, req.route, req.key);
+            match entry.gate.room(shares, class, asked, now) {
+                Ok(r) => room = room.min(r),
+                Err(d) => return Err(Box::new(refused(&level, shares, class, &d))),
+            }
+        }
+        Ok(room)
+    }
+
+    /// Charges `units` granted to a lease of `req` to its classes; what they return
+    /// unspent goes back with [`Self::give_back_units`].
+    pub(crate) fn charge(&self, req: &Request<'_>, chain: &Chain<'_>, units: u64, now: Nanos) {
+        self.each(req, chain, now, |gate, class| gate.charge(class, units, now));
+    }
+
+    /// Gives back `units` of a lease of `req` granted at `granted_at`, returned unspent.
+    pub(crate) fn give_back_units(
+        &self,
+        req: &Request<'_>,
+        chain: &Chain<'_>,
+        units: u64,
+        granted_at: Nanos,
+        now: Nanos,
+    ) {
+        if units > 0 {
+            self.each(req, chain, now, |gate, class| gate.give_back(class, units, granted_at, now));
+        }
+    }
+
+    fn each(
+        &self,
+        req: &Request<'_>,
+        chain: &Chain<'_>,
+        now: Nanos,
+        mut f: impl FnMut(&mut ShareGate, usize),
+    ) {
+        if !divided(chain) || chain.unknown_tenant {
+            return;
+        }
+        let mut gates = self.gates.lock();
+        for level in chain.levels() {
+            let (Some(shares), Some(id)) = (&level.rule.shares, gate_id(&level)) else {
+                continue;
+            };
+            let entry = entry(&mut gates, id, shares, *level.rule.limit, now);
+            f(&mut entry.gate, shares.class_of(req.tenant, req.route, req.key));
+        }
     }
 
     /// Gives back what `taken` took (the store refused the request, or it was
@@ -142,6 +198,24 @@ impl ShareGates {
             publish(*scope, e, now);
         }
     }
+}
+
+/// The refusal of `class` by its share of `level`, counted.
+fn refused(level: &Level<'_>, shares: &Shares, class: usize, d: &ShareDenied) -> Refused {
+    let name = shares.classes().get(class).map_or_else(|| Arc::from(""), |c| c.name.clone());
+    metrics::counter!(
+        m::SHARE_REJECTIONS,
+        "scope" => level.scope.as_str(),
+        "class" => name.to_string()
+    )
+    .increment(1);
+    let decision = Decision::Rejected {
+        reason: limiter_core::Reason::ShareLimit,
+        scope: level.scope,
+        limit: Some(d.limit.unwrap_or(*level.rule.limit)),
+        retry_after: d.retry_after,
+    };
+    Refused { decision, class: name }
 }
 
 /// Publishes the allocations of a gate's classes (at most every slot from the

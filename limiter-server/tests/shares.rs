@@ -102,7 +102,8 @@ async fn drive(s: &TestServer) -> Vec<(u64, u64, u64)> {
 async fn a_reserved_class_keeps_its_share_under_a_flood_lends_it_when_idle_and_gets_it_back() {
     let s = TestServer::start(POLICY).await;
     let seconds = drive(&s).await;
-    let report = format!("{seconds:?}");
+    let report = format!("per second (acme admitted, asked, flood admitted): {seconds:?}");
+    println!("{report}");
     for (sec, &(acme, asked, flood)) in seconds.iter().enumerate() {
         // The level's bound over a second of send time (decisions land up to a few
         // milliseconds later): its burst plus a second and a twentieth of refill.

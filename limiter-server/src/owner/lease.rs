@@ -235,14 +235,14 @@ impl Owner {
                     dry.dry_run = true;
                     let refused = self.shares.take(&req, &dry, now).err();
                     grant.decision = Some(match refused {
-                        Some(r) => self.share_refusal(*r, now),
+                        Some(r) => self.share_refusal(&r, now),
                         None => self.refusal(&chain, now, 1_000_000),
                     });
                     return Ok(grant);
                 }
                 Err(refused) => {
                     self.give_back(&chain, now, back).await?;
-                    grant.decision = Some(self.share_refusal(*refused, now));
+                    grant.decision = Some(self.share_refusal(&refused, now));
                     return Ok(grant);
                 }
             }
@@ -362,7 +362,7 @@ impl Owner {
                 let mut dry = chain;
                 (dry.dry_run, dry.cost) = (true, 1);
                 grant.decision =
-                    self.shares.take(&req, &dry, now).err().map(|r| self.share_refusal(*r, now));
+                    self.shares.take(&req, &dry, now).err().map(|r| self.share_refusal(&r, now));
             }
         }
         grant.window_end = ends_with_window(&chain, now, g.hold);
@@ -589,7 +589,7 @@ impl Owner {
     /// The answer to a request its class's share refused.
     fn share_refusal(
         &self,
-        refused: super::shares::Refused,
+        refused: &super::shares::Refused,
         now: Nanos,
     ) -> pb::ShouldAllowResponse {
         let mut r = self.response(refused.decision, now);

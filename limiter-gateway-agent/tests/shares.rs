@@ -111,11 +111,12 @@ async fn leased_batches_keep_a_reserved_share_under_a_flood() {
     assert_eq!(verdict.overshoot, 0, "{report}");
     for (s, &(acme, asked, flood)) in seconds.iter().enumerate().skip(SETTLE_SECS as usize) {
         assert_eq!(acme, asked, "second {s}: acme refused within its reservation: {report}");
-        // The flood's share through leases: the design gives it the rest (about 280
-        // here, 300 per request at the owner, where this same load measures 300);
-        // leased batches measure 160-190 a second. That gap is open (the closing note
-        // of this change); this floor guards what the lease path delivers today.
-        assert!(flood >= LIMIT * 2 / 5, "second {s}: flood {flood}: {report}");
+        // The flood's share through leases: the design gives it the rest (400 less
+        // acme's 80 and a quarter: 300, which the same load gets per request at the
+        // owner); leased batches measure 232-259 a second (the closing note of this
+        // change). The floor is above what leases gave when a class's demand was
+        // read from its holders' asks (160-190), below what they give now.
+        assert!(flood >= LIMIT / 2, "second {s}: flood {flood}: {report}");
     }
     // Refusals by a share are cached at the agent like any limit's: most decisions,
     // admissions and refusals, are made there.

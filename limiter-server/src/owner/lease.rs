@@ -149,7 +149,7 @@ impl Owner {
             None => self.split(&full),
         };
         let now = self.clock().now();
-        let back = self.settle(holder, item, now);
+        let (back, spent) = self.settle(holder, item, now);
         // What the previous lease left unspent goes back to its classes' shares too
         // (a node's slice has none).
         if let (Some(b), None) = (back, slice_of) {
@@ -219,14 +219,16 @@ impl Owner {
             hold: chain.grant_hold(now, ttl),
             most: if slice_of.is_some() { u64::MAX } else { chain.route.lease.max_batch.get() },
         };
-        // A divided level: the grant is no more than the request's class may take
-        // (what it asks counts as the class's demand); a class with nothing left
-        // refuses the waiting request.
+        // A divided level: the grant is no more than the request's class may take; a
+        // class with nothing left refuses the waiting request. The class's demand is
+        // what its holders spent and what waits, not what they ask to hold (asks run
+        // ahead of use: counted as demand, they let a class borrow what it never
+        // spends).
         let asked = ask.cap();
         let ask = if exact || slice_of.is_some() {
             ask
         } else {
-            match self.shares.room(&req, &chain, ask.cap().max(ask.cost), now) {
+            match self.shares.room(&req, &chain, spent + ask.cost, now) {
                 Ok(room) if room >= ask.cost => Ask { most: ask.most.min(room), ..ask },
                 Ok(_) => {
                     // The waiting request does not fit its class's share now.
@@ -404,19 +406,21 @@ impl Owner {
 
     /// Settles the item's previous lease in the book: what it left unspent, to give
     /// back while the lease is open (nothing for a late or duplicate return).
-    fn settle(&self, holder: u64, item: &pb::LeaseItem, now: Nanos) -> Option<Returned> {
+    /// Also the units the holder spent of it (for a divided level's demand).
+    fn settle(&self, holder: u64, item: &pb::LeaseItem, now: Nanos) -> (Option<Returned>, u64) {
         if item.lease_id == 0 {
-            return None;
+            return (None, 0);
         }
         let settled = self.leases().book.lock().settle(item.lease_id, holder, now, item.unspent);
         if let Settled::Closed { record, .. } | Settled::Expired(record) = &settled {
             self.leases().changed(item.lease_id, &record.key.0);
         }
-        let Settled::Closed { record, refund } = settled else { return None };
+        let Settled::Closed { record, refund } = settled else { return (None, 0) };
         if let Some(c) = self.shared() {
             c.slices().returned(item.lease_id, refund, now);
         }
-        Some(Returned { units: refund, granted_at: record.granted_at, hold: record.hold })
+        let back = Returned { units: refund, granted_at: record.granted_at, hold: record.hold };
+        (Some(back), record.units.saturating_sub(refund))
     }
 
     /// Refunds a settled lease's unspent units on a path that grants nothing new.

@@ -105,8 +105,9 @@ impl ShareGates {
     }
 
     /// The most a lease for `req` may be granted by the classes of its chain's divided
-    /// levels (`u64::MAX` when none is divided), counting `asked` units as the
-    /// class's demand; a refusal when a class's share is used up.
+    /// levels (`u64::MAX` when none is divided), counting `asked` units (what its
+    /// holder spent since its last call, and the request waiting) as the class's
+    /// demand; a refusal when a class's share is used up.
     pub(crate) fn room(
         &self,
         req: &Request<'_>,

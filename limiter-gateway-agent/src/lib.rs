@@ -17,7 +17,7 @@ pub mod error;
 pub mod layer;
 pub mod slot;
 
-pub use agent::{Agent, AgentRequest, AgentStats, FastClock, LimitInfo, Outcome, Source};
+pub use agent::{Agent, AgentRequest, AgentStats, FastClock, LimitInfo, Outcome, Permit, Source};
 pub use config::AgentConfig;
 pub use error::AgentError;
 

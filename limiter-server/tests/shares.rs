@@ -112,9 +112,12 @@ async fn a_reserved_class_keeps_its_share_under_a_flood_lends_it_when_idle_and_g
         if sec >= SETTLE && !IDLE.contains(&sec) && !returning.contains(&sec) {
             // min(reserved, demand) = 40 a second: every request of acme admitted.
             assert_eq!(acme, asked, "second {sec}: acme refused: {report}");
-            // The rest goes to the flood, less what is kept for acme (its measured
-            // demand and a quarter): at least 200 - 40 x 1.05 x 1.25 - slack.
-            assert!(flood >= 140, "second {sec}: flood {flood}: {report}");
+            // The rest goes to the flood, less what is kept for acme: its measured
+            // demand and a quarter (about 52 here), at most its whole reservation
+            // (60: after a stall its sender catches up in a burst, which the last
+            // 200 ms read high), and two units for windows of send time against the
+            // server's decision times.
+            assert!(flood >= RATE - RATE * 3 / 10 - 2, "second {sec}: flood {flood}: {report}");
         }
         if (IDLE.start + SETTLE..IDLE.end).contains(&sec) {
             // acme idle: its reservation lent.

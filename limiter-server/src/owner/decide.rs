@@ -168,7 +168,8 @@ impl Owner {
             chains.push(chain);
         }
         let mut outcomes = Vec::with_capacity(requests.len());
-        let mut shares_taken = Vec::with_capacity(requests.len());
+        // What requests took of divided levels' shares (nothing allocated otherwise).
+        let mut shares_taken = Vec::new();
         for (i, (req, chain)) in requests.iter().zip(&chains).enumerate() {
             let now = self.clock.now();
             let mut share_class = None;
@@ -270,14 +271,16 @@ impl Owner {
                 permit,
                 share_class,
             });
-            shares_taken.push(taken);
+            if !taken.is_empty() {
+                shares_taken.push(taken);
+            }
         }
         let rejected = outcomes.iter().any(|o| !o.verdict.admitted());
         if charge == Charge::AllOrNothing && rejected {
-            for (((o, chain), req), taken) in
-                outcomes.iter_mut().zip(&chains).zip(requests).zip(&shares_taken)
-            {
+            for taken in &shares_taken {
                 self.shares.give_back(taken, self.clock.now());
+            }
+            for ((o, chain), req) in outcomes.iter_mut().zip(&chains).zip(requests) {
                 if let Some((text, _)) = o.permit.take()
                     && let Ok(id) = Permits::parse(&text)
                 {

@@ -40,6 +40,13 @@ pub(crate) struct Taken {
     at: Nanos,
 }
 
+impl Taken {
+    /// Whether nothing was taken (no divided level, a dry run, or a refusal).
+    pub(crate) fn is_empty(&self) -> bool {
+        self.parts.is_empty()
+    }
+}
+
 /// A request refused by its class's share.
 #[derive(Debug, Clone)]
 pub(crate) struct Refused {

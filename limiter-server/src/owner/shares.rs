@@ -81,34 +81,26 @@ impl ShareGates {
         now: Nanos,
     ) -> Result<Taken, Box<Refused>> {
         let mut taken = Taken { parts: Vec::new(), at: now };
-        if !divided(chain) || chain.unknown_tenant {
-            return Ok(taken);
-        }
         let charge = !chain.dry_run && chain.cost > 0;
-        let mut gates = self.gates.lock();
-        for level in chain.levels() {
-            let (Some(shares), Some(id)) = (&level.rule.shares, gate_id(&level)) else {
-                continue;
-            };
-            let entry = entry(&mut gates, id.clone(), shares, *level.rule.limit, now);
-            let class = shares.class_of(req.tenant, req.route, req.key);
-            let taking = entry.gate.take(shares, class, chain.cost, charge, now);
-            if now >= entry.published_at.saturating_add(limiter_core::share::SLOT) {
-                publish(level.scope, entry, now);
+        let walked = self.walk(req, chain, now, |level, id, e, shares, class| {
+            let taking = e.gate.take(shares, class, chain.cost, charge, now);
+            if now >= e.published_at.saturating_add(limiter_core::share::SLOT) {
+                publish(level.scope, e, now);
             }
-            match taking {
-                Ok(_) => {
-                    if charge {
-                        taken.parts.push((id.0, id.1, class, chain.cost));
-                    }
-                }
-                Err(d) => {
-                    give_back(&mut gates, &taken, now);
-                    return Err(Box::new(refused(&level, shares, class, &d)));
-                }
+            let _ = taking.map_err(|d| Box::new(refused(level, shares, class, &d)))?;
+            if charge {
+                taken.parts.push((id.0, id.1.clone(), class, chain.cost));
+            }
+            Ok(())
+        });
+        match walked {
+            Ok(()) => Ok(taken),
+            Err(r) => {
+                // All or nothing: what the levels before the refusing one took goes back.
+                self.give_back(&taken, now);
+                Err(r)
             }
         }
-        Ok(taken)
     }
 
     /// The most a lease for `req` may be granted by the classes of its chain's divided
@@ -123,28 +115,21 @@ impl ShareGates {
         now: Nanos,
     ) -> Result<u64, Box<Refused>> {
         let mut room = u64::MAX;
-        if !divided(chain) || chain.unknown_tenant {
-            return Ok(room);
-        }
-        let mut gates = self.gates.lock();
-        for level in chain.levels() {
-            let (Some(shares), Some(id)) = (&level.rule.shares, gate_id(&level)) else {
-                continue;
-            };
-            let entry = entry(&mut gates, id, shares, *level.rule.limit, now);
-            let class = shares.class_of(req.tenant, req.route, req.key);
-            match entry.gate.room(shares, class, asked, now) {
-                Ok(r) => room = room.min(r),
-                Err(d) => return Err(Box::new(refused(&level, shares, class, &d))),
-            }
-        }
+        self.walk(req, chain, now, |level, _, e, shares, class| {
+            let r = e.gate.room(shares, class, asked, now);
+            room = room.min(r.map_err(|d| Box::new(refused(level, shares, class, &d)))?);
+            Ok(())
+        })?;
         Ok(room)
     }
 
     /// Charges `units` granted to a lease of `req` to its classes; what they return
     /// unspent goes back with [`Self::give_back_units`].
     pub(crate) fn charge(&self, req: &Request<'_>, chain: &Chain<'_>, units: u64, now: Nanos) {
-        self.each(req, chain, now, |gate, class| gate.charge(class, units, now));
+        let _ = self.walk(req, chain, now, |_, _, e, _, class| {
+            e.gate.charge(class, units, now);
+            Ok(())
+        });
     }
 
     /// Gives back `units` of a lease of `req` granted at `granted_at`, returned unspent.
@@ -157,28 +142,34 @@ impl ShareGates {
         now: Nanos,
     ) {
         if units > 0 {
-            self.each(req, chain, now, |gate, class| gate.give_back(class, units, granted_at, now));
+            let _ = self.walk(req, chain, now, |_, _, e, _, class| {
+                e.gate.give_back(class, units, granted_at, now);
+                Ok(())
+            });
         }
     }
 
-    fn each(
+    /// Calls `f` for every divided level of `chain` with its gate (made as needed)
+    /// and `req`'s class there, under the gates' lock, until it refuses.
+    fn walk(
         &self,
         req: &Request<'_>,
         chain: &Chain<'_>,
         now: Nanos,
-        mut f: impl FnMut(&mut ShareGate, usize),
-    ) {
+        mut f: impl FnMut(&Level<'_>, &GateId, &mut Entry, &Shares, usize) -> Result<(), Box<Refused>>,
+    ) -> Result<(), Box<Refused>> {
         if !divided(chain) || chain.unknown_tenant {
-            return;
+            return Ok(());
         }
         let mut gates = self.gates.lock();
         for level in chain.levels() {
             let (Some(shares), Some(id)) = (&level.rule.shares, gate_id(&level)) else {
                 continue;
             };
-            let entry = entry(&mut gates, id, shares, *level.rule.limit, now);
-            f(&mut entry.gate, shares.class_of(req.tenant, req.route, req.key));
+            let entry = entry(&mut gates, id.clone(), shares, *level.rule.limit, now);
+            f(&level, &id, entry, shares, shares.class_of(req.tenant, req.route, req.key))?;
         }
+        Ok(())
     }
 
     /// Gives back what `taken` took (the store refused the request, or it was

@@ -45,6 +45,14 @@ pub struct AgentConfig {
     /// for again in the renewer's next round, so units other agents give back are
     /// found within it. Zero: every refusal is the owner's.
     pub refusal_cap: Duration,
+    /// Hold the permits of concurrency levels here, in blocks the owner issues (on by
+    /// default): a request takes and returns its permit locally, and the blocks are
+    /// renewed, grown and given back in the background. Off: every request of such a
+    /// chain asks the owner, and its permit is released there.
+    pub local_permits: bool,
+    /// The most permits one block asks for (blocks grow by doubling up to this; a
+    /// block a pool does not need goes back at its next renewal).
+    pub max_permit_block: u32,
 }
 
 impl AgentConfig {
@@ -65,6 +73,8 @@ impl AgentConfig {
             topology_interval: Duration::from_secs(5),
             security: ClientSecurity::plaintext(),
             refusal_cap: Duration::from_millis(250),
+            local_permits: true,
+            max_permit_block: 8,
         }
     }
 
@@ -95,6 +105,13 @@ impl AgentConfig {
     /// With the renewal interval.
     pub fn with_renew_interval(mut self, t: Duration) -> Self {
         self.renew_interval = t;
+        self
+    }
+
+    /// With permits of concurrency levels held in local pools (`true`, the default)
+    /// or asked of the owner per request (`false`).
+    pub fn with_local_permits(mut self, on: bool) -> Self {
+        self.local_permits = on;
         self
     }
 

@@ -196,6 +196,11 @@ impl PermitGuard {
 impl Drop for PermitGuard {
     fn drop(&mut self) {
         let Some(p) = self.permit.take() else { return };
+        if let Some(local) = &p.local {
+            // The agent's own pool: back at once, no call.
+            local.release();
+            return;
+        }
         let agent = self.agent.clone();
         // A guard dropped outside a runtime leaves the permits to their TTL.
         if let Ok(rt) = tokio::runtime::Handle::try_current() {

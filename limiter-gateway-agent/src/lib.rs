@@ -15,9 +15,12 @@ pub mod agent;
 pub mod config;
 pub mod error;
 pub mod layer;
+pub mod pool;
 pub mod slot;
 
-pub use agent::{Agent, AgentRequest, AgentStats, FastClock, LimitInfo, Outcome, Permit, Source};
+pub use agent::{
+    Agent, AgentRequest, AgentStats, FastClock, LimitInfo, LocalPermit, Outcome, Permit, Source,
+};
 pub use config::AgentConfig;
 pub use error::AgentError;
 

@@ -86,6 +86,12 @@ impl Balance {
         Spend::Hit { remaining, renew }
     }
 
+    /// Counts a local decision that spent nothing here (a permit was all it took).
+    #[inline]
+    pub fn hit(&self, now: Nanos) {
+        self.count(now);
+    }
+
     #[inline]
     fn count(&self, now: Nanos) {
         // Relaxed, and a plain load and store rather than a locked add: a statistic

@@ -283,6 +283,8 @@ pub enum Api {
     Envoy,
     /// Direct decisions for agents (the lease protocol).
     Lease,
+    /// Permit blocks for agents' local pools (`permit_block`).
+    Permits,
 }
 
 impl Api {
@@ -292,6 +294,7 @@ impl Api {
             Self::Native => "native",
             Self::Envoy => "envoy",
             Self::Lease => "lease",
+            Self::Permits => "permits",
         }
     }
 }
@@ -317,7 +320,7 @@ fn reason_scope(reason: Reason) -> &'static str {
 }
 
 const OUTCOMES: usize = 1 + 2 * Reason::ALL.len();
-const APIS: usize = 3;
+const APIS: usize = 4;
 
 /// Decision counters of one policy, created on first use, so that the hot path does
 /// one map lookup and one atomic add instead of building labels per request.

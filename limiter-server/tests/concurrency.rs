@@ -142,6 +142,67 @@ macro_rules! store_tests {
             s.stop().await;
         }
 
+        /// An agent's pool: a block holds permits of the concurrency levels only
+        /// (the route's rate level is not charged), is renewed and released like a
+        /// permit; a lease for a pool covers the rate levels only.
+        #[tokio::test]
+        async fn a_permit_block_holds_permits_and_nothing_else() {
+            let s = TestServer::start_on(BACKEND, POLICY).await;
+            let mut c = s.native().await;
+            let block = pb::ShouldAllowRequest { cost: Some(2), permit_block: true, ..export() };
+            let b = c.should_allow(block.clone()).await.unwrap().into_inner();
+            assert!(b.allowed, "{b:?}");
+            let held = b.permit.expect("a block is a permit");
+            assert_eq!(held.units, 2);
+            assert!(!c.should_allow(export()).await.unwrap().into_inner().allowed, "both held");
+            let refused = c.should_allow(block).await.unwrap().into_inner();
+            assert!(!refused.allowed && refused.permit.is_none());
+            let usage =
+                |mut c: limiter_proto::limiter::v1::rate_limiter_client::RateLimiterClient<
+                    tonic::transport::Channel,
+                >| async move {
+                    c.usage(pb::UsageRequest {
+                        tenant: "acme".into(),
+                        route: "/export".into(),
+                        key: String::new(),
+                    })
+                    .await
+                    .unwrap()
+                    .into_inner()
+                };
+            let u = usage(c.clone()).await;
+            let remaining: Vec<u64> = u.levels.iter().map(|l| l.remaining).collect();
+            assert_eq!(remaining, vec![1000, 0], "the block charged no rate level");
+            assert_eq!((u.held_permits, u.held_permit_units), (1, 2));
+            assert!(c.renew(renew(&held.id)).await.is_ok());
+            let r = c.release(release(&held.id)).await.unwrap().into_inner();
+            assert!(r.released && r.units == 2);
+            // A chain without a concurrency level has nothing to hold.
+            let none =
+                pb::ShouldAllowRequest { route: "/search".into(), permit_block: true, ..export() };
+            let e = c.should_allow(none).await.unwrap_err();
+            assert_eq!(e.code(), Code::InvalidArgument);
+            assert!(e.message().starts_with("permit_block"), "{}", e.message());
+            // A lease for a pool: the rate level's units, no permit held.
+            let item = pb::LeaseItem {
+                tenant: "acme".into(),
+                route: "/export".into(),
+                want: 10,
+                cost: 1,
+                local_permits: true,
+                ..Default::default()
+            };
+            let lease = pb::LeaseRequest { agent_id: "edge".into(), items: vec![item], epoch: 0 };
+            let g = c.lease(lease).await.unwrap().into_inner().grants.remove(0);
+            assert!(g.permits && !g.permits_only, "{g:?}");
+            assert_eq!(g.mode(), pb::LeaseMode::Leased);
+            assert!(g.units >= 1 && g.decision.is_none(), "{g:?}");
+            let u = usage(c.clone()).await;
+            assert_eq!(u.levels[0].remaining, 1000 - g.units);
+            assert_eq!((u.held_permits, u.levels[1].remaining), (0, 2), "no permit held");
+            s.stop().await;
+        }
+
         #[tokio::test]
         async fn what_cannot_hold_a_permit_is_refused_not_let_through() {
             let s = TestServer::start_on(BACKEND, POLICY).await;

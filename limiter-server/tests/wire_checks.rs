@@ -71,6 +71,7 @@ fn request(rng: &mut Rng) -> pb::ShouldAllowRequest {
         cost,
         dry_run: rng.chance(10),
         report_later: false,
+        permit_block: false,
     }
 }
 

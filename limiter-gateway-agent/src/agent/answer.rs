@@ -65,6 +65,9 @@ pub struct Permit {
     pub key: String,
     /// Until it is reclaimed unless renewed, from when it was issued.
     pub expires_in: Nanos,
+    /// A permit of the agent's local pool (its id and names are then empty):
+    /// released here, with no call.
+    pub(crate) local: Option<std::sync::Arc<super::LocalPermit>>,
 }
 
 impl Outcome {

@@ -16,11 +16,11 @@ use tokio_util::sync::CancellationToken;
 
 use crate::config::AgentConfig;
 use crate::error::AgentError;
-use crate::slot::Spend;
 
 mod answer;
 mod clock;
 mod owner;
+mod permits;
 mod renew;
 mod schedule;
 mod slots;
@@ -30,6 +30,7 @@ pub use self::answer::{
     AgentRequest, AgentStats, LimitInfo, Outcome, Permit, REFUSAL_CAP_SHARE, Source,
 };
 pub use self::clock::FastClock;
+pub use self::permits::LocalPermit;
 use self::renew::*;
 use self::schedule::Schedule;
 use self::slots::*;
@@ -170,27 +171,58 @@ impl Agent {
     /// The fast path: a decision from the local balance, or `None` when the owner is
     /// needed. No allocation, no await: a read lock on one shard of the key map and
     /// atomics on the key's balance.
+    /// A key whose chain has a concurrency level takes its permit from the key's
+    /// local pool too (the outcome holds it: release it when the request ends).
     #[inline]
     pub fn decide_local(&self, req: &AgentRequest<'_>) -> Option<Outcome> {
-        self.spend_local(req).map(Outcome::local)
+        let r = SlotRef { tenant: req.tenant, route: req.route, key: req.key.unwrap_or("") };
+        let now = self.inner.clock.now();
+        self.inner
+            .slots
+            .with(&r, |slot| match slot.pool.get().and_then(|p| p.mode()) {
+                None => self.inner.spend(slot, now, req.cost).map(Outcome::local),
+                Some(only) => {
+                    let (permit, remaining) = self.inner.take_local(slot, now, req.cost, only)?;
+                    Some(Outcome::local(remaining).with_local(permit, now))
+                }
+            })
+            .flatten()
     }
 
     /// The fast path at its leanest: spends `req.cost` from the local balance and
-    /// returns the units left, or `None` when the owner is needed.
+    /// returns the units left, or `None` when the owner is needed (always for a key
+    /// whose chain has a concurrency level: its requests need a permit, which
+    /// [`Self::decide_local`] and [`Self::acquire_local`] take).
     #[inline]
     pub fn spend_local(&self, req: &AgentRequest<'_>) -> Option<u64> {
         let r = SlotRef { tenant: req.tenant, route: req.route, key: req.key.unwrap_or("") };
         let now = self.inner.clock.now();
-        self.inner.slots.with(&r, |slot| match slot.balance.try_spend(now, req.cost) {
-            Spend::Hit { remaining, renew } => {
-                if renew {
-                    // Once per grant: renewed in the renewer's next round.
-                    self.inner.schedule.want(slot);
+        self.inner
+            .slots
+            .with(&r, |slot| {
+                if slot.pool.get().is_some_and(|p| p.mode().is_some()) {
+                    return None;
                 }
-                Some(remaining)
-            }
-            Spend::Miss => None,
-        })?
+                self.inner.spend(slot, now, req.cost)
+            })
+            .flatten()
+    }
+
+    /// The local decision of a key whose chain has a concurrency level: its permit
+    /// from the key's pool (and units from its balance when the chain has other
+    /// levels), or `None` when the owner is needed or the key holds no pool. No
+    /// allocation: the permit goes back when released or dropped.
+    #[inline]
+    pub fn acquire_local(&self, req: &AgentRequest<'_>) -> Option<LocalPermit> {
+        let r = SlotRef { tenant: req.tenant, route: req.route, key: req.key.unwrap_or("") };
+        let now = self.inner.clock.now();
+        self.inner
+            .slots
+            .with(&r, |slot| {
+                let only = slot.pool.get()?.mode()?;
+                self.inner.take_local(slot, now, req.cost, only).map(|(p, _)| p)
+            })
+            .flatten()
     }
 
     /// Decides a request: locally when the balance allows, else through the owner
@@ -211,7 +243,16 @@ impl Agent {
             return Ok(o);
         }
         let slot = self.slot(req);
-        self.inner.slow(&slot, req.cost).await
+        if slot.pool.get().is_some_and(|p| p.mode().is_some()) {
+            return self.inner.pooled(&slot, req.cost).await;
+        }
+        let o = self.inner.slow(&slot, req.cost).await?;
+        // The key's first answer said its chain has a concurrency level: its permit
+        // too (a refused permit leaves the units it was granted spent).
+        if o.allowed && o.permit.is_none() && o.source != Source::Fallback {
+            return self.inner.with_permit(&slot, o, req.cost).await;
+        }
+        Ok(o)
     }
 
     /// Returns `permit`'s units to its owner (the request it guarded ended); false
@@ -223,6 +264,9 @@ impl Agent {
     ///
     /// The owner unreachable or refusing the call.
     pub async fn release(&self, permit: &Permit) -> Result<bool, AgentError> {
+        if let Some(local) = &permit.local {
+            return Ok(local.release());
+        }
         let req = limiter_proto::limiter::v1::ReleaseRequest {
             tenant: permit.tenant.clone(),
             route: permit.route.clone(),
@@ -241,6 +285,13 @@ impl Agent {
     /// The owner unreachable, or the permit no longer held (it expired: the request
     /// runs uncounted from then).
     pub async fn renew(&self, permit: &Permit) -> Result<Nanos, AgentError> {
+        if let Some(local) = &permit.local {
+            // The pool's blocks are renewed while permits are in use.
+            return match local.expires_in(self.inner.clock.now()) {
+                0 => Err(AgentError::Owner("the pool's permits lapsed".to_owned())),
+                left => Ok(left),
+            };
+        }
         let req = limiter_proto::limiter::v1::RenewRequest {
             tenant: permit.tenant.clone(),
             route: permit.route.clone(),
@@ -301,6 +352,7 @@ impl Agent {
         let mut items = Vec::new();
         let mut guards = Vec::new();
         for slot in &slots {
+            self.inner.give_back_blocks(slot).await;
             let mut g = slot.lease.lock().await;
             items.extend(self.inner.give_back(slot, &mut g));
             guards.push(g);

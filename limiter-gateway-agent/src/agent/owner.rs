@@ -34,6 +34,7 @@ impl Inner {
             cost,
             demand_per_sec: demand,
             level: 0,
+            local_permits: self.config.local_permits,
         }
     }
 
@@ -56,7 +57,33 @@ impl Inner {
         if result.is_ok() {
             self.measured(self.clock.now().saturating_sub(started));
         }
-        let healthy = match &result {
+        self.note_health(&result);
+        result
+    }
+
+    /// One call of another kind (a permit block's), counted like a lease call with
+    /// one item, within the RPC timeout.
+    pub(super) async fn counted_call<T>(
+        &self,
+        call: impl std::future::Future<Output = Result<T, tonic::Status>>,
+    ) -> Result<T, tonic::Status> {
+        self.stats[CALLS].fetch_add(1, Ordering::Relaxed);
+        self.stats[ITEMS].fetch_add(1, Ordering::Relaxed);
+        let started = self.clock.now();
+        let result = match tokio::time::timeout(self.config.rpc_timeout, call).await {
+            Ok(r) => r,
+            Err(_) => Err(tonic::Status::deadline_exceeded("owner did not answer in time")),
+        };
+        if result.is_ok() {
+            self.measured(self.clock.now().saturating_sub(started));
+        }
+        self.note_health(&result);
+        result
+    }
+
+    /// Counts a call's result on the breaker.
+    fn note_health<T>(&self, result: &Result<T, tonic::Status>) {
+        let healthy = match result {
             Ok(_) => true,
             // A malformed request is ours, not the owner's trouble.
             Err(s) => s.code() == tonic::Code::InvalidArgument,
@@ -73,7 +100,6 @@ impl Inner {
                 metrics::gauge!(crate::FALLBACK).set(1.0);
             }
         }
-        result
     }
 
     /// One lease call to one node, within the RPC timeout.
@@ -322,10 +348,16 @@ impl Inner {
         duration_nanos_of(self.config.refusal_cap).min(nanos(self.config.renew_interval))
     }
 
-    /// Keeps the failure policy an owner's answer gives for the key's route.
+    /// Keeps the failure policy an owner's answer gives for the key's route, and
+    /// whether the key's permits are held in its pool.
     pub(super) fn learn_failure_policy(&self, slot: &Slot, g: &pb::LeaseGrant) {
         if let Some(p) = &g.on_failure {
             self.routes.lock().insert(slot.key.route().into(), failure_policy(p));
+        }
+        match slot.pool.get() {
+            Some(p) => p.set_mode(g.permits, g.permits_only),
+            None if g.permits => slot.pool.get_or_init(Box::default).set_mode(true, g.permits_only),
+            None => {}
         }
     }
 
@@ -412,6 +444,13 @@ impl Inner {
             return Ok(self.fallback(slot.key.route(), cost));
         };
         self.learn_failure_policy(slot, &g);
+        if g.permits_only {
+            // Nothing but concurrency levels: the key's pool decides its requests.
+            st.mode = Mode::Leased;
+            st.denied = None;
+            self.schedule.at(slot, self.next_due(slot, &st, now_back));
+            return Ok(Outcome { source: Source::Granted, ..Outcome::local(0) });
+        }
         let o = if g.mode() != pb::LeaseMode::Direct && g.units >= cost && g.units > 0 {
             self.install(slot, &mut st, &g, now, cost);
             st.denied = g.decision.as_ref().and_then(|d| self.rationed(&from_owner(d), now));

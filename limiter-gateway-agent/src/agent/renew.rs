@@ -106,7 +106,10 @@ pub(super) async fn renew_due(inner: &Inner) -> Option<Nanos> {
         };
         let unused = now.saturating_sub(slot.balance.last_used());
         if st.lease_id == 0 {
-            if unused > FORGET_AFTER_IDLE * idle_after && slot.balance.units() == 0 {
+            if unused > FORGET_AFTER_IDLE * idle_after
+                && slot.balance.units() == 0
+                && slot.pool_empty()
+            {
                 forgotten.push(slot.clone());
             } else {
                 inner.schedule.at(slot, inner.next_due(slot, &st, now));

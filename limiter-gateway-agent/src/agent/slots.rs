@@ -112,6 +112,9 @@ pub(super) struct Slot {
     /// counts; 0: none).
     pub(super) due: AtomicU64,
     pub(super) lease: tokio::sync::Mutex<LeaseState>,
+    /// The permits of the chain's concurrency levels held here (once the owner said
+    /// the chain has some).
+    pub(super) pool: std::sync::OnceLock<Box<super::permits::Pool>>,
 }
 
 impl Slot {
@@ -122,6 +125,7 @@ impl Slot {
             balance: Balance::default(),
             due: AtomicU64::new(0),
             lease: tokio::sync::Mutex::default(),
+            pool: std::sync::OnceLock::new(),
         };
         slot.balance.touch(now);
         slot

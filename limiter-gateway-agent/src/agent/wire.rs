@@ -58,6 +58,7 @@ pub(super) fn from_owner_for(d: &pb::ShouldAllowResponse, slot: &Slot) -> Outcom
             route: route.to_owned(),
             key: key.to_owned(),
             expires_in: duration_nanos(p.expires_in.as_ref()),
+            local: None,
         });
     }
     o

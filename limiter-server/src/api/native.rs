@@ -147,8 +147,11 @@ impl RateLimiter for NativeService {
             return Ok(Response::new(answer));
         }
         let core = named(&r.tenant, &r.route, &r.key, false);
-        let left = self.owner.renew(&core, &r.permit).await.map_err(refuse)?;
-        Ok(Response::new(pb::RenewResponse { expires_in: Some(convert::duration(left)) }))
+        let (left, contended) = self.owner.renew(&core, &r.permit).await.map_err(refuse)?;
+        Ok(Response::new(pb::RenewResponse {
+            expires_in: Some(convert::duration(left)),
+            contended,
+        }))
     }
 
     async fn usage(

@@ -86,7 +86,8 @@ async fn decide_here(
     unreachable: bool,
 ) -> Result<Vec<Outcome>, (usize, ServerError)> {
     let mut out = Vec::with_capacity(idx.len());
-    let later = idx.iter().any(|&i| reqs[i].report_later);
+    // Tickets and permit blocks are decided one by one.
+    let later = idx.iter().any(|&i| reqs[i].report_later || reqs[i].permit_block);
     if !later {
         // A large batch is decided in parts, yielding between them, so that one
         // caller's batches cannot hold a worker while single decisions wait. It is
@@ -111,9 +112,10 @@ async fn decide_here(
     }
     for &i in idx {
         let core = convert::request(&reqs[i]);
+        let api = if reqs[i].permit_block { Api::Permits } else { Api::Native };
         let o = owner
             .decide_with(
-                Api::Native,
+                api,
                 std::slice::from_ref(&core),
                 Charge::Each,
                 if reqs[i].report_later { Report::Later } else { Report::Now },

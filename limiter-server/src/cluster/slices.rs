@@ -409,6 +409,7 @@ impl Cluster {
             cost,
             demand_per_sec: demand,
             level: convert::scope(key.0).into(),
+            local_permits: false,
         };
         let req = pb::LeaseRequest {
             agent_id: format!("node:{}", self.me.id),

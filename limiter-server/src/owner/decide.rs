@@ -152,6 +152,17 @@ impl Owner {
             if let Some(Some(x)) = extra.get(i) {
                 chain = chain.with_level(x.scope, x.budget, x.rule).map_err(|e| (i, e.into()))?;
             }
+            if api == Api::Permits {
+                // A block for an agent's pool: the concurrency levels only (the
+                // agent's leases pay the others).
+                chain = chain.retain_levels(|l| l.rule.limit.is_concurrency());
+                if chain.levels().next().is_none() && !chain.unknown_tenant {
+                    return Err((
+                        i,
+                        ServerError::invalid("permit_block", "the chain has no concurrency level"),
+                    ));
+                }
+            }
             if !unreachable {
                 self.store.admits(&chain).map_err(|e| (i, e))?;
             }
@@ -236,6 +247,11 @@ impl Owner {
                 _ => 0,
             };
             active.counters.record(api, req.route, &verdict);
+            if let Decision::Rejected { scope, limit: Some(l), .. } = verdict.decision
+                && l.is_concurrency()
+            {
+                self.permits.refused(chain, scope, now);
+            }
             self.heavy.record(req.tenant, req.key, verdict.decision.is_allowed(), charged);
             if !verdict.decision.is_allowed() {
                 tracing::debug!(
@@ -383,13 +399,18 @@ impl Owner {
     }
 
     /// Extends a held permit by its levels' TTL from now, and returns when it is
-    /// reclaimed unless renewed again.
+    /// reclaimed unless renewed again, and whether one of its levels refused a
+    /// request lately (a block's holder then gives back what others wait for).
     ///
     /// # Errors
     ///
     /// As [`Self::release`], and a permit no longer held (`permit`: it expired or was
     /// released; its holder must acquire anew).
-    pub async fn renew(&self, req: &Request<'_>, permit: &str) -> Result<Nanos, ServerError> {
+    pub async fn renew(
+        &self,
+        req: &Request<'_>,
+        permit: &str,
+    ) -> Result<(Nanos, bool), ServerError> {
         let id = Permits::parse(permit)?;
         let active = self.policies.current();
         let chain = self.permit_chain(&active, req)?;
@@ -406,7 +427,7 @@ impl Owner {
                 let expires_at = permits::expiry(&chain, at).unwrap_or(at);
                 self.permits.reopen(req, p, at, expires_at);
                 metrics::counter!(m::PERMITS, "event" => "renewed").increment(1);
-                Ok(expires_at.saturating_sub(now))
+                Ok((expires_at.saturating_sub(now), self.permits.contended(&chain, now)))
             }
             Err(e) => {
                 let old = permits::expiry(&chain, p.charged_at).unwrap_or(now);

@@ -144,6 +144,14 @@ impl Owner {
             }
             _ => policy.policy.resolve(&req, names)?,
         };
+        // An agent holding this chain's permits in its own pool: the grant covers the
+        // other levels (a route that decides per request keeps its permits here).
+        let pooled = item.local_permits
+            && slice_of.is_none()
+            && !full.route.lease.exact
+            && super::permits::first_level(&full).is_some();
+        let full =
+            if pooled { full.retain_levels(|l| !l.rule.limit.is_concurrency()) } else { full };
         let (chain, slices) = match slice_of {
             Some(level) => (full.retain_levels(|l| l.scope == level), Remote::default()),
             None => self.split(&full),
@@ -157,10 +165,17 @@ impl Owner {
         }
         let mut grant = pb::LeaseGrant {
             mode: pb::LeaseMode::Leased.into(),
+            permits: pooled,
             on_failure: Some(failure_policy(full.route.on_limiter_failure)),
             policy_version: policy.version,
             ..Default::default()
         };
+        if pooled && full.levels().next().is_none() && !full.unknown_tenant {
+            // Nothing but concurrency levels: the agent's pool decides alone.
+            self.give_back(&chain, now, back).await?;
+            grant.permits_only = true;
+            return Ok(grant);
+        }
         if item.want == 0 && item.cost == 0 {
             self.leases().shares(self.leases().chain_id(item), holder, 0, now);
             self.give_back(&chain, now, back).await?;

@@ -193,7 +193,7 @@ pub struct Owner {
     permits: Permits,
     shares: ShareGates,
     ready: AtomicBool,
-    latency: [Histogram; 3],
+    latency: [Histogram; 4],
     leases: Leases,
     heavy: HeavyHitters,
     ceilings: EmergencyCeilings,
@@ -232,7 +232,7 @@ impl Owner {
             permits: Permits::new(limits.max_held_permits),
             shares: ShareGates::default(),
             ready: AtomicBool::new(false),
-            latency: [Api::Native, Api::Envoy, Api::Lease]
+            latency: [Api::Native, Api::Envoy, Api::Lease, Api::Permits]
                 .map(|a| metrics::histogram!(m::DECISION_SECONDS, "api" => a.as_str())),
             leases: Leases::default(),
             heavy: HeavyHitters::default(),

@@ -58,7 +58,14 @@ pub(crate) struct Permits {
     key: std::hash::RandomState,
     book: Mutex<Book>,
     max: usize,
+    /// When each concurrency level (a keyed hash of its counter key) last refused a
+    /// request: its blocks' holders are told at renewal.
+    refused: Mutex<HashMap<u64, Nanos>>,
 }
+
+/// Levels remembered as contended at once (beyond it, the oldest half is dropped: a
+/// holder is then told a little less often, nothing else).
+const MAX_CONTENDED: usize = 65_536;
 
 /// The named permits, indexed by expiry (so that pruning and forgetting cost what
 /// they remove) and counted by names (so that the usage view reads a count): no call
@@ -205,7 +212,45 @@ pub fn check_policy(
 impl Permits {
     /// A book naming at most `max` permits at once.
     pub(crate) fn new(max: usize) -> Self {
-        Self { key: std::hash::RandomState::new(), book: Mutex::default(), max: max.max(1) }
+        Self {
+            key: std::hash::RandomState::new(),
+            book: Mutex::default(),
+            max: max.max(1),
+            refused: Mutex::default(),
+        }
+    }
+
+    fn level(&self, l: &limiter_core::policy::Level<'_>) -> u64 {
+        let k = &l.key;
+        self.key.hash_one((k.scope as u8, k.tenant, k.route, k.key, k.budget))
+    }
+
+    /// Notes that `chain`'s concurrency level at `scope` refused a request at `now`.
+    pub(crate) fn refused(&self, chain: &Chain<'_>, scope: Scope, now: Nanos) {
+        let Some(level) =
+            chain.levels().find(|l| l.scope == scope && l.rule.limit.is_concurrency())
+        else {
+            return;
+        };
+        let h = self.level(&level);
+        let mut refused = self.refused.lock();
+        if refused.len() >= MAX_CONTENDED && !refused.contains_key(&h) {
+            let mut times: Vec<Nanos> = refused.values().copied().collect();
+            let (_, median, _) = times.select_nth_unstable(refused.len() / 2);
+            let median = *median;
+            refused.retain(|_, at| *at > median);
+        }
+        refused.insert(h, now);
+    }
+
+    /// Whether one of `chain`'s concurrency levels refused a request within the last
+    /// half of its TTL (since a block renewed at half its TTL was last renewed).
+    pub(crate) fn contended(&self, chain: &Chain<'_>, now: Nanos) -> bool {
+        let refused = self.refused.lock();
+        chain.levels().filter(|l| l.rule.limit.is_concurrency()).any(|l| {
+            let half_ttl = l.rule.limit.quota().1 / 2;
+            refused.get(&self.level(&l)).is_some_and(|&at| now.saturating_sub(at) <= half_ttl)
+        })
     }
 
     fn names(&self, req: &Request<'_>) -> u64 {

@@ -150,7 +150,7 @@ async fn run(ops: Vec<Op>) {
                 let req = Request::new("acme", "/r").with_key(KEYS[h.key]);
                 let renewed = owner.renew(&req, &h.permit).await;
                 if !h.released && named(h, now) {
-                    let left = renewed.expect("a held permit renews");
+                    let (left, _) = renewed.expect("a held permit renews");
                     assert_eq!(left, KEY.1 - KEY.1 / 16);
                     h.at = now;
                 } else {

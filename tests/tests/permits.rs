@@ -105,11 +105,20 @@ async fn a_killed_holders_permits_come_back_within_their_ttl_and_no_more() {
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     println!("the killed holder's permits came back after {back_after:?}");
-    // Released: exactly those two again.
+    // Released: exactly those two again (a permit of the agent's pool goes back to
+    // the owner with a call of its own: asked again until then, at most a second).
     for p in &got {
         assert!(me.release(p).await.unwrap());
     }
-    assert!(try_acquire(&me).await.is_some() && try_acquire(&me).await.is_some());
+    let mut again = Vec::new();
+    let at = Instant::now();
+    while again.len() < 2 && at.elapsed() < Duration::from_secs(1) {
+        match try_acquire(&me).await {
+            Some(p) => again.push(p),
+            None => tokio::time::sleep(Duration::from_millis(20)).await,
+        }
+    }
+    assert_eq!(again.len(), 2, "the two released permits");
     assert!(try_acquire(&me).await.is_none());
     drop(holders);
     drop(server);

@@ -52,7 +52,9 @@ pub struct Outcome {
 }
 
 /// Permits of concurrency levels held by one admitted request, until released or
-/// expired (unless renewed).
+/// expired (unless renewed). A permit of the agent's local pool (the default) also
+/// goes back when its last clone is dropped; an owner's permit (a route decided per
+/// request, or `AgentConfig::local_permits` off) is held until released or expired.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Permit {
     /// The owner's id of it.

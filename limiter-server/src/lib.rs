@@ -199,9 +199,10 @@ impl Server {
         let max_log = config.limits.max_log_entries;
         let clustered = config.cluster.membership != Membership::Single;
         let envoy_route = config.envoy.default_route.clone();
+        let shared_store_cluster = clustered && matches!(store, Store::Redis(_));
         let permits = move |p: &limiter_core::policy::Policy| {
             owner::check_concurrency(p, clustered, envoy_route.as_deref())
-                .and(owner::check_shares(p, clustered))
+                .and(owner::check_shares(p, shared_store_cluster))
         };
         let check: owner::reload::Check = match &store {
             Store::Memory(_) => {

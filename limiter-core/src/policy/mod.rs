@@ -350,6 +350,12 @@ impl<'a> Chain<'a> {
         self.tenant
     }
 
+    /// The request's tenant, route and key (none when empty): what a divided level's
+    /// classes match.
+    pub fn names(&self) -> (&'a str, &'a str, Option<&'a str>) {
+        (self.tenant, self.route_name, (!self.key.is_empty()).then_some(self.key))
+    }
+
     /// Number of levels.
     pub fn len(&self) -> usize {
         usize::from(self.len)

@@ -35,6 +35,7 @@ impl Inner {
             demand_per_sec: demand,
             level: 0,
             local_permits: self.config.local_permits,
+            share_class: String::new(),
         }
     }
 

@@ -35,7 +35,7 @@ use crate::error::ServerError;
 use crate::metrics as m;
 
 /// A slice's identity: the level's scope and, for a route-wide limit, its route.
-pub type SliceKey = (Scope, Box<str>);
+pub type SliceKey = (Scope, Box<str>, Box<str>);
 
 /// A slice is given up 2% of its hold early.
 const MARGIN: Margin = Margin::permille(20);
@@ -57,8 +57,9 @@ pub struct Slice {
     pub granted: u64,
     /// Spendable until (this node's clock).
     pub until: Nanos,
-    /// The owner's last refusal, while it stands.
-    pub denied: Option<Refusal<()>>,
+    /// The owner's last refusal, while it stands (and whether it was the class's
+    /// share that refused).
+    pub denied: Option<Refusal<bool>>,
     /// Units per second this node spends from it, updated every [`PERIOD`].
     demand: Demand,
     /// Last time a request needed this slice.
@@ -123,8 +124,9 @@ pub enum Take {
     Taken,
     /// This slice needs (more) units from its owner.
     Short(SliceKey),
-    /// This slice's owner refused recently: (the slice, the wait left).
-    Denied(SliceKey, Nanos),
+    /// This slice's owner refused recently: (the slice, the wait left, whether its
+    /// class's share refused).
+    Denied(SliceKey, Nanos, bool),
 }
 
 /// The slices this node holds.
@@ -151,7 +153,7 @@ impl Slices {
             s.last_used = now;
             if let Some(r) = s.denied {
                 if let Some(wait) = r.wait(now, 0) {
-                    return Take::Denied(k.clone(), wait);
+                    return Take::Denied(k.clone(), wait, r.detail);
                 }
                 s.denied = None;
             }
@@ -183,8 +185,10 @@ impl Slices {
         for k in keys {
             let s = held.entry(k.clone()).or_default();
             s.last_used = now;
-            if let Some(wait) = s.denied.and_then(|r| r.wait(now, 0)) {
-                return Err(Take::Denied(k.clone(), wait));
+            if let Some(r) = s.denied
+                && let Some(wait) = r.wait(now, 0)
+            {
+                return Err(Take::Denied(k.clone(), wait, r.detail));
             }
             let available = s.available(now);
             if available < min.max(1) {
@@ -264,10 +268,10 @@ impl Slices {
     }
 
     /// Records the owner's refusal of `key` for the next `wait` (at most a few ms).
-    pub fn deny(&self, key: &SliceKey, now: Nanos, wait: Nanos) {
+    pub fn deny(&self, key: &SliceKey, now: Nanos, wait: Nanos, by_share: bool) {
         let mut held = self.held.lock();
         let s = held.entry(key.clone()).or_default();
-        s.denied = Some(Refusal::new(now, wait, DENIED_FOR, 0, ()));
+        s.denied = Some(Refusal::new(now, wait, DENIED_FOR, 0, by_share));
     }
 
     /// Slices due for renewal: low (under a quarter of the last grant), near their
@@ -349,7 +353,7 @@ impl Remote {
 
     /// Whether `level` is one of these.
     pub fn holds(&self, level: &Level<'_>) -> bool {
-        self.keys.iter().any(|(s, r)| *s == level.scope && **r == *level.key.route)
+        self.keys.iter().any(|(s, r, _)| *s == level.scope && **r == *level.key.route)
     }
 }
 
@@ -364,7 +368,13 @@ impl Cluster {
         for l in chain.levels().filter(|l| is_root(l.scope)) {
             let owner = self.owner_of(&owner_name(l.scope, "", l.key.route));
             if owner.id != self.me.id {
-                remote.keys.push((l.scope, l.key.route.into()));
+                // A divided level's slices are per class: the root owner sizes each
+                // by its class's share.
+                let class = l.rule.shares.as_ref().map_or("", |s| {
+                    let (tenant, route, key) = chain.names();
+                    &s.classes()[s.class_of(tenant, route, key)].name
+                });
+                remote.keys.push((l.scope, l.key.route.into(), class.into()));
                 remote.owners.push(owner);
             }
         }
@@ -410,6 +420,7 @@ impl Cluster {
             demand_per_sec: demand,
             level: convert::scope(key.0).into(),
             local_permits: false,
+            share_class: key.2.to_string(),
         };
         let req = pb::LeaseRequest {
             agent_id: format!("node:{}", self.me.id),
@@ -446,7 +457,9 @@ impl Cluster {
                 .as_ref()
                 .and_then(|d| d.retry_after.as_ref())
                 .map_or(1_000_000, convert::nanos_of);
-            self.slices.deny(key, self.clock.now(), wait);
+            let by_share =
+                grant.decision.as_ref().is_some_and(|d| d.reason() == pb::Reason::ShareLimit);
+            self.slices.deny(key, self.clock.now(), wait, by_share);
             metrics::counter!(m::SLICE_CALLS, "outcome" => "refused").increment(1);
         }
         #[allow(clippy::cast_precision_loss)] // gauge value
@@ -498,6 +511,7 @@ impl Cluster {
             lease_id,
             unspent,
             level: convert::scope(key.0).into(),
+            share_class: key.2.to_string(),
             ..Default::default()
         };
         let req = pb::LeaseRequest {

@@ -36,13 +36,25 @@ impl Owner {
         let keys = &remote.keys;
         let cost = if chain.dry_run { 0 } else { chain.cost };
         let lost = || ServerError::Unavailable("a slice is not one of the chain's levels".into());
-        let refuse = |key: &SliceKey, wait: Nanos| {
+        let refuse = |key: &SliceKey, wait: Nanos, by_share: bool| {
             let level = chain
                 .levels()
                 .find(|l| l.scope == key.0 && *l.key.route == *key.1)
                 .ok_or_else(lost)?;
+            let reason = if by_share {
+                // The class's slice was refused by its share at the root owner.
+                metrics::counter!(
+                    m::SHARE_REJECTIONS,
+                    "scope" => level.scope.as_str(),
+                    "class" => key.2.to_string()
+                )
+                .increment(1);
+                limiter_core::Reason::ShareLimit
+            } else {
+                level.scope.reason()
+            };
             let decision = Decision::Rejected {
-                reason: level.scope.reason(),
+                reason,
                 scope: level.scope,
                 limit: Some(*level.rule.limit),
                 retry_after: wait,
@@ -67,11 +79,11 @@ impl Owner {
                     cluster.refill(&key, owner, chain.cost, chain.cost).await?;
                     last = key;
                 }
-                Take::Denied(key, wait) => return refuse(&key, wait),
+                Take::Denied(key, wait, by_share) => return refuse(&key, wait, by_share),
             }
         }
         // Other requests took every refill first: the owner has little to spare.
-        refuse(&last, 1_000_000)
+        refuse(&last, 1_000_000, false)
     }
 
     /// Decides `requests` in order (their owner is this node). See [`Self::decide_with`].
@@ -204,7 +216,7 @@ impl Owner {
             } else {
                 // The request's class takes its share first; what the store then
                 // refuses goes back to it.
-                match self.shares.take(req, chain, now) {
+                match self.shares.take(super::shares::Who::Req(req), chain, now) {
                     Err(refused) => {
                         let refused = *refused;
                         share_class = Some(refused.class);
@@ -241,6 +253,19 @@ impl Owner {
                 }
                 Err(e) => return Err((i, e)),
             };
+            // A refusal by a divided level's share that this node did not take (a
+            // class's slice the root owner refused): the class, named.
+            if let (None, Decision::Rejected { reason, scope, .. }) =
+                (&share_class, verdict.decision)
+                && reason == limiter_core::Reason::ShareLimit
+            {
+                let (tenant, route, key) = chain.names();
+                share_class = chain
+                    .levels()
+                    .find(|l| l.scope == scope)
+                    .and_then(|l| l.rule.shares.as_ref())
+                    .map(|s| s.classes()[s.class_of(tenant, route, key)].name.clone());
+            }
             // A fallback decision charged nothing in the store (nothing to refund).
             let charged = match verdict.decision {
                 Decision::Allowed { .. } if !chain.dry_run && !fell_back => chain.cost,
@@ -477,8 +502,14 @@ impl Owner {
             let shared = remote.holds(&level);
             let (remaining, reset_after) = match (shared, slices) {
                 (true, Some(slices)) => {
-                    let (units, until) =
-                        slices.available(&(level.scope, level.key.route.into()), now);
+                    // The request's class's slice, for a divided level.
+                    let key = remote
+                        .keys
+                        .iter()
+                        .find(|k| k.0 == level.scope && *k.1 == *level.key.route)
+                        .cloned()
+                        .unwrap_or_else(|| (level.scope, level.key.route.into(), "".into()));
+                    let (units, until) = slices.available(&key, now);
                     (units, until - now)
                 }
                 _ => views.next().ok_or_else(|| {

@@ -34,6 +34,7 @@ use crate::convert;
 use crate::error::ServerError;
 use crate::metrics::Api;
 use crate::owner::reload::ActivePolicy;
+use crate::owner::shares::Who;
 use crate::owner::{Charge, Outcome, Owner, Reach, Report};
 use crate::store::{Leased, Renewal, Returned};
 
@@ -156,12 +157,18 @@ impl Owner {
             Some(level) => (full.retain_levels(|l| l.scope == level), Remote::default()),
             None => self.split(&full),
         };
+        // Whose shares a grant comes out of: the request's classes, or a node's
+        // slice's class (a slice of an undivided level has none).
+        let who = match slice_of {
+            None => Some(Who::Req(&req)),
+            Some(_) if !item.share_class.is_empty() => Some(Who::Class(&item.share_class)),
+            Some(_) => None,
+        };
         let now = self.clock().now();
         let (back, spent) = self.settle(holder, item, now);
-        // What the previous lease left unspent goes back to its classes' shares too
-        // (a node's slice has none).
-        if let (Some(b), None) = (back, slice_of) {
-            self.shares.give_back_units(&req, &chain, b.units, b.granted_at, now);
+        // What the previous lease left unspent goes back to its classes' shares too.
+        if let (Some(b), Some(who)) = (back, who) {
+            self.shares.give_back_units(who, &chain, b.units, b.granted_at, now);
         }
         let mut grant = pb::LeaseGrant {
             mode: pb::LeaseMode::Leased.into(),
@@ -240,17 +247,17 @@ impl Owner {
         // ahead of use: counted as demand, they let a class borrow what it never
         // spends).
         let asked = ask.cap();
-        let ask = if exact || slice_of.is_some() {
-            ask
-        } else {
-            match self.shares.room(&req, &chain, spent + ask.cost, now) {
+        let ask = match who {
+            _ if exact => ask,
+            None => ask,
+            Some(who) => match self.shares.room(who, &chain, spent + ask.cost, now) {
                 Ok(room) if room >= ask.cost => Ask { most: ask.most.min(room), ..ask },
                 Ok(_) => {
                     // The waiting request does not fit its class's share now.
                     self.give_back(&chain, now, back).await?;
                     let mut dry = chain;
                     dry.dry_run = true;
-                    let refused = self.shares.take(&req, &dry, now).err();
+                    let refused = self.shares.take(who, &dry, now).err();
                     grant.decision = Some(match refused {
                         Some(r) => self.share_refusal(&r, now),
                         None => self.refusal(&chain, now, 1_000_000),
@@ -262,7 +269,7 @@ impl Owner {
                     grant.decision = Some(self.share_refusal(&refused, now));
                     return Ok(grant);
                 }
-            }
+            },
         };
         // A node's slice never goes direct (the root owner refuses instead) and is
         // not divided with others.
@@ -341,8 +348,8 @@ impl Owner {
                 return Ok(grant);
             }
         };
-        if slice_of.is_none() {
-            self.shares.charge(&req, &chain, g.units, now);
+        if let Some(who) = who {
+            self.shares.charge(who, &chain, g.units, now);
         }
         // Filed under its ring name (a slice: its root key's), so that a move hands
         // it to the next owner of what it was granted from.
@@ -378,8 +385,11 @@ impl Owner {
                 // keep the agent away while its class's share refills unused).
                 let mut dry = chain;
                 (dry.dry_run, dry.cost) = (true, 1);
-                grant.decision =
-                    self.shares.take(&req, &dry, now).err().map(|r| self.share_refusal(&r, now));
+                grant.decision = self
+                    .shares
+                    .take(Who::Req(&req), &dry, now)
+                    .err()
+                    .map(|r| self.share_refusal(&r, now));
             }
         }
         grant.window_end = ends_with_window(&chain, now, g.hold);

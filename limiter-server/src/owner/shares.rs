@@ -47,6 +47,28 @@ impl Taken {
     }
 }
 
+/// Whose class a gate is asked about: a request's (matched by its names), or a class
+/// named outright (a node's slice of a divided root level, leased per class).
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum Who<'a> {
+    Req(&'a Request<'a>),
+    Class(&'a str),
+}
+
+impl Who<'_> {
+    /// The class's index in `shares` (a name no longer in the policy: the catch-all).
+    fn class(&self, shares: &Shares) -> usize {
+        match self {
+            Self::Req(r) => shares.class_of(r.tenant, r.route, r.key),
+            Self::Class(name) => shares
+                .classes()
+                .iter()
+                .position(|c| *c.name == **name)
+                .unwrap_or(shares.classes().len() - 1),
+        }
+    }
+}
+
 /// A request refused by its class's share.
 #[derive(Debug, Clone)]
 pub(crate) struct Refused {
@@ -76,7 +98,7 @@ impl ShareGates {
     /// (a dry run checks only), all or nothing.
     pub(crate) fn take(
         &self,
-        req: &Request<'_>,
+        req: Who<'_>,
         chain: &Chain<'_>,
         now: Nanos,
     ) -> Result<Taken, Box<Refused>> {
@@ -109,7 +131,7 @@ impl ShareGates {
     /// demand; a refusal when a class's share is used up.
     pub(crate) fn room(
         &self,
-        req: &Request<'_>,
+        req: Who<'_>,
         chain: &Chain<'_>,
         asked: u64,
         now: Nanos,
@@ -125,7 +147,7 @@ impl ShareGates {
 
     /// Charges `units` granted to a lease of `req` to its classes; what they return
     /// unspent goes back with [`Self::give_back_units`].
-    pub(crate) fn charge(&self, req: &Request<'_>, chain: &Chain<'_>, units: u64, now: Nanos) {
+    pub(crate) fn charge(&self, req: Who<'_>, chain: &Chain<'_>, units: u64, now: Nanos) {
         let _ = self.walk(req, chain, now, |_, _, e, _, class| {
             e.gate.charge(class, units, now);
             Ok(())
@@ -135,7 +157,7 @@ impl ShareGates {
     /// Gives back `units` of a lease of `req` granted at `granted_at`, returned unspent.
     pub(crate) fn give_back_units(
         &self,
-        req: &Request<'_>,
+        req: Who<'_>,
         chain: &Chain<'_>,
         units: u64,
         granted_at: Nanos,
@@ -153,7 +175,7 @@ impl ShareGates {
     /// and `req`'s class there, under the gates' lock, until it refuses.
     fn walk(
         &self,
-        req: &Request<'_>,
+        req: Who<'_>,
         chain: &Chain<'_>,
         now: Nanos,
         mut f: impl FnMut(&Level<'_>, &GateId, &mut Entry, &Shares, usize) -> Result<(), Box<Refused>>,
@@ -167,7 +189,7 @@ impl ShareGates {
                 continue;
             };
             let entry = entry(&mut gates, id.clone(), shares, *level.rule.limit, now);
-            f(&level, &id, entry, shares, shares.class_of(req.tenant, req.route, req.key))?;
+            f(&level, &id, entry, shares, req.class(shares))?;
         }
         Ok(())
     }
@@ -263,18 +285,20 @@ fn give_back(gates: &mut HashMap<GateId, Entry>, taken: &Taken, now: Nanos) {
 }
 
 /// Refuses shares a node cannot keep: on a root level (the global ceiling, a route's
-/// limit) in a cluster, where other nodes spend slices of the level that the owner's
-/// gates never see.
+/// limit) in a cluster whose nodes share one store (Redis), where every node decides
+/// the level itself and no gate sees the others' use. (On the memory store a root
+/// level has one owner; other nodes lease slices of it per class, which its gates
+/// size.)
 ///
 /// # Errors
 ///
 /// Every such level, one line each.
-pub fn check_policy(policy: &Policy, clustered: bool) -> Result<(), String> {
-    const WHY: &str = "in a cluster, the global ceiling and routes' limits are spent \
-                       through slices held by every node, which the classes' shares do not \
-                       divide yet; put the shares on tenants' limits (tenants.<t>.shares), \
-                       or run one node";
-    if !clustered {
+pub fn check_policy(policy: &Policy, shared_store_cluster: bool) -> Result<(), String> {
+    const WHY: &str = "in a cluster on a shared store (Redis), every node decides the \
+                       global ceiling and routes' limits itself, and no node sees the \
+                       others' use of a class's share; put the shares on tenants' limits \
+                       (tenants.<t>.shares), or use the memory store";
+    if !shared_store_cluster {
         return Ok(());
     }
     let mut errors = Vec::new();
@@ -292,4 +316,38 @@ pub fn check_policy(policy: &Policy, clustered: bool) -> Result<(), String> {
         errors.push(format!("routes.{name}.shares: {WHY}"));
     }
     if errors.is_empty() { Ok(()) } else { Err(errors.join("\n")) }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Shares of root levels: kept on the memory store (one owner per level, slices
+    /// per class), refused on a cluster sharing one store, each level named.
+    #[test]
+    fn root_levels_divided_are_refused_only_on_a_shared_store_cluster() {
+        let text = "version: 1
+global:
+  ceiling: { algorithm: token_bucket, rate: 100/s }
+  shares:
+    critical: { tenants: [acme], reserved: 30% }
+routes:
+  /r:
+    limit: { algorithm: fixed_window, limit: 10, window: 1s }
+    shares:
+      gold: { tenants: [acme], reserved: 50% }
+tenants:
+  acme:
+    limit: { algorithm: token_bucket, rate: 10/s }
+    shares:
+      vip: { keys: [k1], reserved: 50% }
+";
+        let policy = limiter_core::policy::load::from_yaml(text, "policies.yaml").unwrap();
+        check_policy(&policy, false).unwrap();
+        let e = check_policy(&policy, true).unwrap_err();
+        let lines: Vec<&str> = e.lines().collect();
+        assert_eq!(lines.len(), 2, "{e}");
+        assert!(lines[0].starts_with("global.shares: in a cluster on a shared store"), "{e}");
+        assert!(lines[1].starts_with("routes./r.shares:"), "{e}");
+    }
 }

@@ -1,13 +1,13 @@
 use super::*;
 
 fn key() -> SliceKey {
-    (Scope::Global, "".into())
+    (Scope::Global, "".into(), "".into())
 }
 
 #[test]
 fn takes_all_or_nothing_and_gives_back() {
     let s = Slices::default();
-    let k = [key(), (Scope::Route, "/a".into())];
+    let k = [key(), (Scope::Route, "/a".into(), "".into())];
     assert_eq!(s.take(&k, 1, 0), Take::Short(key()));
     s.install(&k[0], 1, 10, 100);
     assert_eq!(s.take(&k, 1, 0), Take::Short(k[1].clone()));
@@ -23,7 +23,7 @@ fn takes_all_or_nothing_and_gives_back() {
 #[test]
 fn a_refusal_stands_briefly_and_returns_credit_only_the_same_lease() {
     let s = Slices::default();
-    s.deny(&key(), 0, 5_000_000);
+    s.deny(&key(), 0, 5_000_000, false);
     assert!(matches!(s.take(&[key()], 1, 1), Take::Denied(..)));
     assert_eq!(s.take(&[key()], 1, 6_000_000), Take::Short(key()));
     s.install(&key(), 7, 10, 1_000_000_000);

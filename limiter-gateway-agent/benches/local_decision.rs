@@ -11,17 +11,15 @@
 
 #![allow(missing_docs)]
 
+mod common;
+
 use std::hint::black_box;
 use std::num::NonZeroU32;
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use criterion::{Criterion, criterion_group, criterion_main};
 use governor::{Quota, RateLimiter};
-use limiter_core::clock::{Clock, MonotonicClock};
-use limiter_gateway_agent::{Agent, AgentConfig, AgentRequest};
-use limiter_server::Server;
-use limiter_server::config::ServerConfig;
+use limiter_gateway_agent::{Agent, AgentRequest};
 
 const KEYS: usize = 1_000;
 
@@ -33,18 +31,6 @@ tenants:
     per_key: { algorithm: token_bucket, rate: 1000000000/s, burst: 1000000000 }
 ";
 
-fn owner(
-    rt: &tokio::runtime::Runtime,
-    dir: &std::path::Path,
-    clock: Arc<dyn Clock>,
-) -> limiter_server::Running {
-    let path = dir.join("policies.yaml");
-    std::fs::write(&path, POLICY).unwrap();
-    let config = ServerConfig::for_policy(&path).unwrap();
-    let server = Server::with_clock(config, clock).unwrap();
-    rt.block_on(server.spawn_local()).unwrap()
-}
-
 /// Times `iters` local hits per thread over the keys; misses refill off the clock and
 /// off the count.
 fn run_agent(
@@ -54,89 +40,55 @@ fn run_agent(
     threads: usize,
     iters: u64,
 ) -> Duration {
-    let handle = rt.handle().clone();
-    std::thread::scope(|s| {
-        let spent: Vec<Duration> = (0..threads)
-            .map(|t| {
-                let (agent, handle) = (agent.clone(), handle.clone());
-                s.spawn(move || {
-                    let mut timed = Duration::ZERO;
-                    let mut i = t * (KEYS / threads.max(1));
-                    let mut done = 0;
-                    while done < iters {
-                        #[allow(clippy::disallowed_methods)] // measuring wall time
-                        let start = Instant::now();
-                        let mut missed = None;
-                        while done < iters {
-                            let req = AgentRequest {
-                                tenant: "t",
-                                route: "/r",
-                                key: Some(&keys[i % KEYS]),
-                                cost: 1,
-                            };
-                            if black_box(agent.spend_local(&req)).is_none() {
-                                missed = Some(i % KEYS);
-                                break;
-                            }
-                            i += 1;
-                            done += 1;
-                        }
-                        timed += start.elapsed();
-                        if let Some(k) = missed {
-                            let req = AgentRequest {
-                                tenant: "t",
-                                route: "/r",
-                                key: Some(&keys[k]),
-                                cost: 1,
-                            };
-                            handle.block_on(agent.decide(&req)).unwrap();
-                            i += 1;
-                        }
-                    }
-                    timed
-                })
-            })
-            .collect::<Vec<_>>()
-            .into_iter()
-            .map(|h| h.join().unwrap())
-            .collect();
-        // Wall time of the slowest thread: the same shape as governor's side.
-        spent.into_iter().max().unwrap_or_default()
+    // Wall time of the slowest thread: the same shape as governor's side.
+    common::slowest(threads, |t| {
+        let mut timed = Duration::ZERO;
+        let mut i = t * (KEYS / threads.max(1));
+        let mut done = 0;
+        while done < iters {
+            #[allow(clippy::disallowed_methods)] // measuring wall time
+            let start = Instant::now();
+            let mut missed = None;
+            while done < iters {
+                let req =
+                    AgentRequest { tenant: "t", route: "/r", key: Some(&keys[i % KEYS]), cost: 1 };
+                if black_box(agent.spend_local(&req)).is_none() {
+                    missed = Some(i % KEYS);
+                    break;
+                }
+                i += 1;
+                done += 1;
+            }
+            timed += start.elapsed();
+            if let Some(k) = missed {
+                let req = AgentRequest { tenant: "t", route: "/r", key: Some(&keys[k]), cost: 1 };
+                rt.block_on(agent.decide(&req)).unwrap();
+                i += 1;
+            }
+        }
+        timed
     })
 }
 
 fn run_governor<F: Fn(usize) -> bool + Sync>(threads: usize, iters: u64, check: F) -> Duration {
-    std::thread::scope(|s| {
-        let handles: Vec<_> = (0..threads)
-            .map(|t| {
-                let check = &check;
-                s.spawn(move || {
-                    #[allow(clippy::disallowed_methods)] // measuring wall time
-                    let start = Instant::now();
-                    let offset = t * (KEYS / threads.max(1));
-                    for i in 0..iters as usize {
-                        black_box(check((offset + i) % KEYS));
-                    }
-                    start.elapsed()
-                })
-            })
-            .collect();
-        handles.into_iter().map(|h| h.join().unwrap()).max().unwrap_or_default()
+    common::slowest(threads, |t| {
+        #[allow(clippy::disallowed_methods)] // measuring wall time
+        let start = Instant::now();
+        let offset = t * (KEYS / threads.max(1));
+        for i in 0..iters as usize {
+            black_box(check((offset + i) % KEYS));
+        }
+        start.elapsed()
     })
 }
 
 fn bench(c: &mut Criterion) {
-    let rt =
-        tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build().unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let clock: Arc<dyn Clock> = Arc::new(MonotonicClock::new());
-    let running = owner(&rt, dir.path(), clock);
-    let url = running.url();
-    let agent = rt.block_on(async { Agent::new(AgentConfig::new(url, "bench")).unwrap() });
+    let s = common::setup(POLICY);
+    let (rt, agent) = (&s.rt, &s.agent);
     let keys: Vec<String> = (0..KEYS).map(|i| format!("user-{i}")).collect();
     // Warm up: every key holds a lease, and demand estimates are high.
     for _ in 0..3 {
-        run_agent(&rt, &agent, &keys, 1, 200_000);
+        run_agent(rt, agent, &keys, 1, 200_000);
     }
     let quota = Quota::per_second(NonZeroU32::new(1_000_000_000).unwrap());
     let gov = RateLimiter::dashmap(quota);
@@ -146,7 +98,7 @@ fn bench(c: &mut Criterion) {
     for threads in [1, 2] {
         let mut g = c.benchmark_group(format!("local_decision_{KEYS}_keys_{threads}_threads"));
         g.bench_function("agent_lease_hit", |b| {
-            b.iter_custom(|iters| run_agent(&rt, &agent, &keys, threads, iters));
+            b.iter_custom(|iters| run_agent(rt, agent, &keys, threads, iters));
         });
         g.bench_function("governor_keyed", |b| {
             b.iter_custom(|iters| {
@@ -155,8 +107,8 @@ fn bench(c: &mut Criterion) {
         });
         g.finish();
     }
-    let s = agent.stats();
-    println!("agent: {} local, {} slow, {} owner calls", s.local, s.slow, s.owner_calls);
+    let st = agent.stats();
+    println!("agent: {} local, {} slow, {} owner calls", st.local, st.slow, st.owner_calls);
 }
 
 criterion_group! {

@@ -12,15 +12,13 @@
 
 #![allow(missing_docs)]
 
+mod common;
+
 use std::hint::black_box;
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use criterion::{Criterion, criterion_group, criterion_main};
-use limiter_core::clock::{Clock, MonotonicClock};
-use limiter_gateway_agent::{Agent, AgentConfig, AgentRequest};
-use limiter_server::Server;
-use limiter_server::config::ServerConfig;
+use limiter_gateway_agent::{Agent, AgentRequest};
 
 const POLICY: &str = r"
 version: 1
@@ -32,104 +30,68 @@ tenants:
 
 const REQ: AgentRequest<'static> = AgentRequest { tenant: "t", route: "/pool", key: None, cost: 1 };
 
-fn owner(
-    rt: &tokio::runtime::Runtime,
-    dir: &std::path::Path,
-    clock: Arc<dyn Clock>,
-) -> limiter_server::Running {
-    let path = dir.join("policies.yaml");
-    std::fs::write(&path, POLICY).unwrap();
-    let config = ServerConfig::for_policy(&path).unwrap();
-    let server = Server::with_clock(config, clock).unwrap();
-    rt.block_on(server.spawn_local()).unwrap()
-}
-
 /// Times `iters` local acquire-and-release pairs per thread; a miss asks the owner
 /// off the clock and off the count.
 fn run_agent(rt: &tokio::runtime::Runtime, agent: &Agent, threads: usize, iters: u64) -> Duration {
-    let handle = rt.handle().clone();
-    std::thread::scope(|s| {
-        let spent: Vec<_> = (0..threads)
-            .map(|_| {
-                let (agent, handle) = (agent.clone(), handle.clone());
-                s.spawn(move || {
-                    let mut timed = Duration::ZERO;
-                    let mut done = 0;
-                    while done < iters {
-                        #[allow(clippy::disallowed_methods)] // measuring wall time
-                        let start = Instant::now();
-                        let mut missed = false;
-                        while done < iters {
-                            match black_box(agent.acquire_local(&REQ)) {
-                                Some(p) => drop(p),
-                                None => {
-                                    missed = true;
-                                    break;
-                                }
-                            }
-                            done += 1;
-                        }
-                        timed += start.elapsed();
-                        if missed {
-                            let o = handle.block_on(agent.decide(&REQ)).unwrap();
-                            assert!(o.allowed, "the pool grows: {o:?}");
-                        }
+    common::slowest(threads, |_| {
+        let mut timed = Duration::ZERO;
+        let mut done = 0;
+        while done < iters {
+            #[allow(clippy::disallowed_methods)] // measuring wall time
+            let start = Instant::now();
+            let mut missed = false;
+            while done < iters {
+                match black_box(agent.acquire_local(&REQ)) {
+                    Some(p) => drop(p),
+                    None => {
+                        missed = true;
+                        break;
                     }
-                    timed
-                })
-            })
-            .collect::<Vec<_>>()
-            .into_iter()
-            .map(|h| h.join().unwrap())
-            .collect();
-        spent.into_iter().max().unwrap_or_default()
+                }
+                done += 1;
+            }
+            timed += start.elapsed();
+            if missed {
+                let o = rt.block_on(agent.decide(&REQ)).unwrap();
+                assert!(o.allowed, "the pool grows: {o:?}");
+            }
+        }
+        timed
     })
 }
 
 fn run_semaphore(sem: &tokio::sync::Semaphore, threads: usize, iters: u64) -> Duration {
-    std::thread::scope(|s| {
-        let handles: Vec<_> = (0..threads)
-            .map(|_| {
-                s.spawn(move || {
-                    #[allow(clippy::disallowed_methods)] // measuring wall time
-                    let start = Instant::now();
-                    for _ in 0..iters {
-                        drop(black_box(sem.try_acquire()).unwrap());
-                    }
-                    start.elapsed()
-                })
-            })
-            .collect();
-        handles.into_iter().map(|h| h.join().unwrap()).max().unwrap_or_default()
+    common::slowest(threads, |_| {
+        #[allow(clippy::disallowed_methods)] // measuring wall time
+        let start = Instant::now();
+        for _ in 0..iters {
+            drop(black_box(sem.try_acquire()).unwrap());
+        }
+        start.elapsed()
     })
 }
 
 fn bench(c: &mut Criterion) {
-    let rt =
-        tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build().unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let clock: Arc<dyn Clock> = Arc::new(MonotonicClock::new());
-    let running = owner(&rt, dir.path(), clock);
-    let url = running.url();
-    let agent = rt.block_on(async { Agent::new(AgentConfig::new(url, "bench")).unwrap() });
+    let s = common::setup(POLICY);
+    let (rt, agent) = (&s.rt, &s.agent);
     // The pool holds a block before timing starts.
     let first = rt.block_on(agent.decide(&REQ)).unwrap();
     assert!(first.allowed && first.permit.is_some(), "{first:?}");
     drop(first);
-    run_agent(&rt, &agent, 2, 100_000);
+    run_agent(rt, agent, 2, 100_000);
     let sem = tokio::sync::Semaphore::new(1_000_000);
     for threads in [1, 2] {
         let mut g = c.benchmark_group(format!("local_permit_{threads}_threads"));
         g.bench_function("agent_pool", |b| {
-            b.iter_custom(|iters| run_agent(&rt, &agent, threads, iters));
+            b.iter_custom(|iters| run_agent(rt, agent, threads, iters));
         });
         g.bench_function("tokio_semaphore", |b| {
             b.iter_custom(|iters| run_semaphore(&sem, threads, iters));
         });
         g.finish();
     }
-    let s = agent.stats();
-    println!("agent: {} local, {} slow, {} owner calls", s.local, s.slow, s.owner_calls);
+    let st = agent.stats();
+    println!("agent: {} local, {} slow, {} owner calls", st.local, st.slow, st.owner_calls);
 }
 
 criterion_group! {

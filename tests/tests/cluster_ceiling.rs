@@ -12,9 +12,9 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
-use limiter_gateway_agent::{Agent, AgentConfig, AgentRequest, Source};
+use limiter_gateway_agent::{AgentRequest, Source};
 use limiter_reference::Spec;
-use limiter_reference::judge::{Spend, judge};
+use limiter_reference::judge::judge;
 use tokio::time::Instant;
 
 mod common;
@@ -48,25 +48,12 @@ fn certainly_admitted(log: &[Sent], from: f64, to: f64) -> u64 {
     admitted.filter(|x| x.0.as_secs_f64() >= from && x.1.as_secs_f64() <= to).count() as u64
 }
 
-/// Nanoseconds on the judge's time line (offset so that a hold before the start
-/// stays positive).
-fn ticks(d: Duration) -> u64 {
-    u64::try_from(d.as_nanos()).unwrap() + 10_000_000_000
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_global_ceiling_holds_across_three_nodes_and_ten_agents() {
     let dir = tempfile::tempdir().unwrap();
     let (_, nodes, procs) = start_nodes(dir.path(), POLICY, &["a", "b", "c"], &[]).await;
     // Ten agents, each talking to one node (agents 0, 3, 6, 9 to a).
-    let agents: Vec<Arc<Agent>> = (0..10)
-        .map(|i| {
-            let url = format!("http://{}", nodes[i % 3].grpc);
-            let config =
-                AgentConfig::new(url, format!("gw-{i}")).with_rpc_timeout(Duration::from_secs(1));
-            Arc::new(Agent::new(config).unwrap())
-        })
-        .collect();
+    let agents = agents_over(&nodes, 10);
     // 30 tenants, skewed (Zipf, s = 1): tenant k gets weight 1/(k+1).
     let tenants: Vec<String> = (0..30).map(|k| format!("tenant-{k}")).collect();
     let weights: Vec<f64> = (0..30).map(|k| 1.0 / f64::from(k + 1)).collect();
@@ -153,15 +140,7 @@ async fn the_global_ceiling_holds_across_three_nodes_and_ten_agents() {
     }
     let per: Vec<u64> = windows.iter().map(|w| w.load(Ordering::Relaxed)).collect();
     let log = sent_log.lock().clone();
-    let spends: Vec<Spend> = log
-        .iter()
-        .filter(|(.., allowed)| *allowed)
-        .map(|&(sent, answered, _)| Spend {
-            from: ticks(sent.saturating_sub(HOLD)),
-            to: ticks(answered),
-            cost: 1,
-        })
-        .collect();
+    let spends = admitted_spends(&log, HOLD);
     let ceiling = Spec::TokenBucket { amount: 1000, period: 1_000_000_000, burst: 500 };
     let verdict = judge(ceiling, &spends, 1_000_000_000);
     let by_second: Vec<(u64, u64)> = verdict

@@ -21,9 +21,9 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use limiter_core::Reason;
-use limiter_gateway_agent::{Agent, AgentConfig, AgentRequest};
+use limiter_gateway_agent::{AgentRequest, Outcome};
 use limiter_reference::Spec;
-use limiter_reference::judge::{Spend, judge};
+use limiter_reference::judge::judge;
 use tokio::time::Instant;
 
 mod common;
@@ -59,48 +59,67 @@ const FLOOD: f64 = 5.0 * RATE;
 /// A request: sent, answered, admitted.
 type Sent = (Duration, Duration, bool);
 
-fn ticks(d: Duration) -> u64 {
-    u64::try_from(d.as_nanos()).unwrap() + 10_000_000_000
-}
-
 /// Whether the critical class sends at `t` (seconds).
 fn critical_on(t: f64) -> bool {
     !(8.0..12.0).contains(&t)
+}
+
+/// What the requests came to: every request's times, and per second of send time the
+/// critical class's sent and refused, and the flood's admitted.
+struct Tally {
+    log: parking_lot::Mutex<Vec<Sent>>,
+    crit_sent: Vec<AtomicU64>,
+    crit_refused: Vec<AtomicU64>,
+    flood_admitted: Vec<AtomicU64>,
+    /// Flood refusals past the first second naming neither its share nor the ceiling.
+    unnamed: AtomicU64,
+}
+
+impl Default for Tally {
+    fn default() -> Self {
+        let per_second = || (0..SECS).map(|_| AtomicU64::new(0)).collect();
+        Self {
+            log: parking_lot::Mutex::default(),
+            crit_sent: per_second(),
+            crit_refused: per_second(),
+            flood_admitted: per_second(),
+            unnamed: AtomicU64::new(0),
+        }
+    }
+}
+
+impl Tally {
+    fn note(&self, critical: bool, sent: Duration, answered: Duration, o: &Outcome) {
+        self.log.lock().push((sent, answered, o.allowed));
+        let w = sent.as_secs() as usize;
+        if w >= SECS {
+            return;
+        }
+        if critical {
+            self.crit_sent[w].fetch_add(1, Ordering::Relaxed);
+            if !o.allowed {
+                self.crit_refused[w].fetch_add(1, Ordering::Relaxed);
+            }
+        } else if o.allowed {
+            self.flood_admitted[w].fetch_add(1, Ordering::Relaxed);
+        } else if w >= 1 && !matches!(o.reason, Some(Reason::ShareLimit | Reason::GlobalCeiling)) {
+            self.unnamed.fetch_add(1, Ordering::Relaxed);
+        }
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_reserved_class_keeps_its_share_of_the_ceiling_across_three_nodes() {
     let dir = tempfile::tempdir().unwrap();
     let (_, nodes, procs) = start_nodes(dir.path(), POLICY, &["a", "b", "c"], &[]).await;
-    let agents: Vec<Arc<Agent>> = (0..10)
-        .map(|i| {
-            let url = format!("http://{}", nodes[i % 3].grpc);
-            let config =
-                AgentConfig::new(url, format!("gw-{i}")).with_rpc_timeout(Duration::from_secs(1));
-            Arc::new(Agent::new(config).unwrap())
-        })
-        .collect();
+    let agents = agents_over(&nodes, 10);
     let start = Instant::now();
-    let log: Arc<parking_lot::Mutex<Vec<Sent>>> = Arc::default();
-    // Per second: critical sent, critical refused, flood admitted.
-    let crit_sent: Arc<Vec<AtomicU64>> = Arc::new((0..SECS).map(|_| AtomicU64::new(0)).collect());
-    let crit_refused: Arc<Vec<AtomicU64>> =
-        Arc::new((0..SECS).map(|_| AtomicU64::new(0)).collect());
-    let flood_admitted: Arc<Vec<AtomicU64>> =
-        Arc::new((0..SECS).map(|_| AtomicU64::new(0)).collect());
-    let unnamed = Arc::new(AtomicU64::new(0));
+    let tally = Arc::new(Tally::default());
     let mut tasks = Vec::new();
     for (i, agent) in agents.iter().enumerate() {
         let critical = i < 2;
         let rate = if critical { CRITICAL / 2.0 } else { FLOOD / 8.0 };
-        let agent = agent.clone();
-        let (log, crit_sent, crit_refused, flood_admitted, unnamed) = (
-            log.clone(),
-            crit_sent.clone(),
-            crit_refused.clone(),
-            flood_admitted.clone(),
-            unnamed.clone(),
-        );
+        let (agent, tally) = (agent.clone(), tally.clone());
         tasks.push(tokio::spawn(async move {
             let mut requests = tokio::task::JoinSet::new();
             let mut n: u64 = 0;
@@ -126,36 +145,12 @@ async fn a_reserved_class_keeps_its_share_of_the_ceiling_across_three_nodes() {
                 }
                 n += 1;
                 let tenant = if critical { "acme".to_owned() } else { format!("other-{}", n % 30) };
-                let agent = agent.clone();
-                let (log, crit_sent, crit_refused, flood_admitted, unnamed) = (
-                    log.clone(),
-                    crit_sent.clone(),
-                    crit_refused.clone(),
-                    flood_admitted.clone(),
-                    unnamed.clone(),
-                );
+                let (agent, tally) = (agent.clone(), tally.clone());
                 let sent = start.elapsed();
                 requests.spawn(async move {
                     let req = AgentRequest { tenant: &tenant, route: "/r", key: None, cost: 1 };
                     let o = agent.decide(&req).await.unwrap();
-                    let answered = start.elapsed();
-                    log.lock().push((sent, answered, o.allowed));
-                    let w = sent.as_secs() as usize;
-                    if w >= SECS {
-                        return;
-                    }
-                    if critical {
-                        crit_sent[w].fetch_add(1, Ordering::Relaxed);
-                        if !o.allowed {
-                            crit_refused[w].fetch_add(1, Ordering::Relaxed);
-                        }
-                    } else if o.allowed {
-                        flood_admitted[w].fetch_add(1, Ordering::Relaxed);
-                    } else if w >= 1
-                        && !matches!(o.reason, Some(Reason::ShareLimit | Reason::GlobalCeiling))
-                    {
-                        unnamed.fetch_add(1, Ordering::Relaxed);
-                    }
+                    tally.note(critical, sent, start.elapsed(), &o);
                 });
             }
         }));
@@ -163,20 +158,13 @@ async fn a_reserved_class_keeps_its_share_of_the_ceiling_across_three_nodes() {
     for t in tasks {
         t.await.unwrap();
     }
-    let load = |v: &Arc<Vec<AtomicU64>>| -> Vec<u64> {
-        v.iter().map(|x| x.load(Ordering::Relaxed)).collect()
-    };
-    let (sent, refused, flood) = (load(&crit_sent), load(&crit_refused), load(&flood_admitted));
-    let log = log.lock().clone();
-    let spends: Vec<Spend> = log
-        .iter()
-        .filter(|(.., allowed)| *allowed)
-        .map(|&(sent, answered, _)| Spend {
-            from: ticks(sent.saturating_sub(HOLD)),
-            to: ticks(answered),
-            cost: 1,
-        })
-        .collect();
+    let load =
+        |v: &Vec<AtomicU64>| -> Vec<u64> { v.iter().map(|x| x.load(Ordering::Relaxed)).collect() };
+    let (sent, refused, flood) =
+        (load(&tally.crit_sent), load(&tally.crit_refused), load(&tally.flood_admitted));
+    let unnamed = &tally.unnamed;
+    let log = tally.log.lock().clone();
+    let spends = admitted_spends(&log, HOLD);
     let ceiling = Spec::TokenBucket { amount: 400, period: 1_000_000_000, burst: 200 };
     let verdict = judge(ceiling, &spends, 1_000_000_000);
     println!(

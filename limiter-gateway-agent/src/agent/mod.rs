@@ -175,18 +175,25 @@ impl Agent {
     /// local pool too (the outcome holds it: release it when the request ends).
     #[inline]
     pub fn decide_local(&self, req: &AgentRequest<'_>) -> Option<Outcome> {
+        self.with_slot(req, |slot, now| match slot.pool.get().and_then(|p| p.mode()) {
+            None => self.inner.spend(slot, now, req.cost).map(Outcome::local),
+            Some(only) => {
+                let (permit, remaining) = self.inner.take_local(slot, now, req.cost, only)?;
+                Some(Outcome::local(remaining).with_local(permit, now))
+            }
+        })
+    }
+
+    /// `f` on the request's key's slot, if it has one, with the time now.
+    #[inline]
+    fn with_slot<T>(
+        &self,
+        req: &AgentRequest<'_>,
+        f: impl FnOnce(&Arc<Slot>, Nanos) -> Option<T>,
+    ) -> Option<T> {
         let r = SlotRef { tenant: req.tenant, route: req.route, key: req.key.unwrap_or("") };
         let now = self.inner.clock.now();
-        self.inner
-            .slots
-            .with(&r, |slot| match slot.pool.get().and_then(|p| p.mode()) {
-                None => self.inner.spend(slot, now, req.cost).map(Outcome::local),
-                Some(only) => {
-                    let (permit, remaining) = self.inner.take_local(slot, now, req.cost, only)?;
-                    Some(Outcome::local(remaining).with_local(permit, now))
-                }
-            })
-            .flatten()
+        self.inner.slots.with(&r, |slot| f(slot, now)).flatten()
     }
 
     /// The fast path at its leanest: spends `req.cost` from the local balance and
@@ -195,17 +202,12 @@ impl Agent {
     /// [`Self::decide_local`] and [`Self::acquire_local`] take).
     #[inline]
     pub fn spend_local(&self, req: &AgentRequest<'_>) -> Option<u64> {
-        let r = SlotRef { tenant: req.tenant, route: req.route, key: req.key.unwrap_or("") };
-        let now = self.inner.clock.now();
-        self.inner
-            .slots
-            .with(&r, |slot| {
-                if slot.pool.get().is_some_and(|p| p.mode().is_some()) {
-                    return None;
-                }
-                self.inner.spend(slot, now, req.cost)
-            })
-            .flatten()
+        self.with_slot(req, |slot, now| {
+            if slot.pool.get().is_some_and(|p| p.mode().is_some()) {
+                return None;
+            }
+            self.inner.spend(slot, now, req.cost)
+        })
     }
 
     /// The local decision of a key whose chain has a concurrency level: its permit
@@ -214,15 +216,10 @@ impl Agent {
     /// allocation: the permit goes back when released or dropped.
     #[inline]
     pub fn acquire_local(&self, req: &AgentRequest<'_>) -> Option<LocalPermit> {
-        let r = SlotRef { tenant: req.tenant, route: req.route, key: req.key.unwrap_or("") };
-        let now = self.inner.clock.now();
-        self.inner
-            .slots
-            .with(&r, |slot| {
-                let only = slot.pool.get()?.mode()?;
-                self.inner.take_local(slot, now, req.cost, only).map(|(p, _)| p)
-            })
-            .flatten()
+        self.with_slot(req, |slot, now| {
+            let only = slot.pool.get()?.mode()?;
+            self.inner.take_local(slot, now, req.cost, only).map(|(p, _)| p)
+        })
     }
 
     /// Decides a request: locally when the balance allows, else through the owner

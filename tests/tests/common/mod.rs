@@ -146,3 +146,41 @@ pub(crate) async fn start_nodes(
     }
     (file, nodes, procs)
 }
+
+/// `n` agents, agent `i` talking to node `i % nodes.len()` (RPC timeout 1 s).
+pub(crate) fn agents_over(
+    nodes: &[Node],
+    n: usize,
+) -> Vec<std::sync::Arc<limiter_gateway_agent::Agent>> {
+    (0..n)
+        .map(|i| {
+            let url = format!("http://{}", nodes[i % nodes.len()].grpc);
+            let config = limiter_gateway_agent::AgentConfig::new(url, format!("gw-{i}"))
+                .with_rpc_timeout(Duration::from_secs(1));
+            std::sync::Arc::new(limiter_gateway_agent::Agent::new(config).unwrap())
+        })
+        .collect()
+}
+
+/// Nanoseconds on the judge's time line (offset so that a hold before the start
+/// stays positive).
+pub(crate) fn ticks(d: Duration) -> u64 {
+    u64::try_from(d.as_nanos()).unwrap() + 10_000_000_000
+}
+
+/// The admitted requests of `log` (sent, answered, admitted) as the judge's spends:
+/// each may have been charged at any instant from `hold` before it was sent (units
+/// are paid when granted) until it was answered.
+pub(crate) fn admitted_spends(
+    log: &[(Duration, Duration, bool)],
+    hold: Duration,
+) -> Vec<limiter_reference::judge::Spend> {
+    log.iter()
+        .filter(|(.., allowed)| *allowed)
+        .map(|&(sent, answered, _)| limiter_reference::judge::Spend {
+            from: ticks(sent.saturating_sub(hold)),
+            to: ticks(answered),
+            cost: 1,
+        })
+        .collect()
+}

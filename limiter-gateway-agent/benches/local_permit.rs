@@ -1,6 +1,8 @@
 //! A permit taken from and returned to the agent's local pool against a
 //! `tokio::sync::Semaphore`'s `try_acquire` and drop, single thread and two threads
-//! on one key (one semaphore), in the same run.
+//! on one key (one semaphore), in the same run: by the key (`acquire_local`: the
+//! key's lookup each time) and through a handle on the key's pool (`PermitHandle`,
+//! held like the semaphore).
 //!
 //! The agent runs against a real owner in-process (a concurrency level far above
 //! what the threads hold); its side pays what a request pays: the key's lookup
@@ -18,7 +20,7 @@ use std::hint::black_box;
 use std::time::{Duration, Instant};
 
 use criterion::{Criterion, criterion_group, criterion_main};
-use limiter_gateway_agent::{Agent, AgentRequest};
+use limiter_gateway_agent::{Agent, AgentRequest, PermitHandle};
 
 const POLICY: &str = r"
 version: 1
@@ -60,6 +62,41 @@ fn run_agent(rt: &tokio::runtime::Runtime, agent: &Agent, threads: usize, iters:
     })
 }
 
+/// The same through a handle on the key's pool (no lookup per permit).
+fn run_handle(
+    rt: &tokio::runtime::Runtime,
+    agent: &Agent,
+    handle: &PermitHandle,
+    threads: usize,
+    iters: u64,
+) -> Duration {
+    common::slowest(threads, |_| {
+        let mut timed = Duration::ZERO;
+        let mut done = 0;
+        while done < iters {
+            #[allow(clippy::disallowed_methods)] // measuring wall time
+            let start = Instant::now();
+            let mut missed = false;
+            while done < iters {
+                match black_box(handle.try_acquire(1)) {
+                    Some(p) => drop(p),
+                    None => {
+                        missed = true;
+                        break;
+                    }
+                }
+                done += 1;
+            }
+            timed += start.elapsed();
+            if missed {
+                let o = rt.block_on(agent.decide(&REQ)).unwrap();
+                assert!(o.allowed, "the pool grows: {o:?}");
+            }
+        }
+        timed
+    })
+}
+
 fn run_semaphore(sem: &tokio::sync::Semaphore, threads: usize, iters: u64) -> Duration {
     common::slowest(threads, |_| {
         #[allow(clippy::disallowed_methods)] // measuring wall time
@@ -79,11 +116,15 @@ fn bench(c: &mut Criterion) {
     assert!(first.allowed && first.permit.is_some(), "{first:?}");
     drop(first);
     run_agent(rt, agent, 2, 100_000);
+    let handle = agent.permit_handle(&REQ).expect("the key has a pool");
     let sem = tokio::sync::Semaphore::new(1_000_000);
     for threads in [1, 2] {
         let mut g = c.benchmark_group(format!("local_permit_{threads}_threads"));
         g.bench_function("agent_pool", |b| {
             b.iter_custom(|iters| run_agent(rt, agent, threads, iters));
+        });
+        g.bench_function("agent_pool_handle", |b| {
+            b.iter_custom(|iters| run_handle(rt, agent, &handle, threads, iters));
         });
         g.bench_function("tokio_semaphore", |b| {
             b.iter_custom(|iters| run_semaphore(&sem, threads, iters));

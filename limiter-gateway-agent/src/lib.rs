@@ -19,7 +19,8 @@ pub mod pool;
 pub mod slot;
 
 pub use agent::{
-    Agent, AgentRequest, AgentStats, FastClock, LimitInfo, LocalPermit, Outcome, Permit, Source,
+    Agent, AgentRequest, AgentStats, FastClock, HandlePermit, LimitInfo, LocalPermit, Outcome,
+    Permit, PermitHandle, Source,
 };
 pub use config::AgentConfig;
 pub use error::AgentError;

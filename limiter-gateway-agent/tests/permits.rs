@@ -65,6 +65,14 @@ async fn permits_are_lent_and_returned_locally_never_above_the_limit() {
         assert!(a.decide_local(&export()).is_none(), "one free permit, lent");
         drop(o);
     }
+    // The same through a handle on the key's pool.
+    let handle = a.permit_handle(&export()).expect("the key has a pool");
+    for _ in 0..1_000 {
+        let p = handle.try_acquire(1).expect("a permit from the handle");
+        assert!(handle.try_acquire(1).is_none(), "one free permit, lent");
+        assert!(a.decide_local(&export()).is_none(), "the handle and the key share the pool");
+        drop(p);
+    }
     assert_eq!(a.stats().owner_calls, calls, "no owner call for a permit the pool holds");
     assert!(a.stats().local >= 1_000);
     drop(held);

@@ -30,7 +30,7 @@ pub use self::answer::{
     AgentRequest, AgentStats, LimitInfo, Outcome, Permit, REFUSAL_CAP_SHARE, Source,
 };
 pub use self::clock::FastClock;
-pub use self::permits::LocalPermit;
+pub use self::permits::{HandlePermit, LocalPermit, PermitHandle};
 use self::renew::*;
 use self::schedule::Schedule;
 use self::slots::*;
@@ -219,6 +219,15 @@ impl Agent {
         self.with_slot(req, |slot, now| {
             let only = slot.pool.get()?.mode()?;
             self.inner.take_local(slot, now, req.cost, only).map(|(p, _)| p)
+        })
+    }
+
+    /// A handle on the pool of `req`'s key (see [`PermitHandle`]), once the key has
+    /// one: `None` for a key not seen yet or whose chain has no concurrency level.
+    pub fn permit_handle(&self, req: &AgentRequest<'_>) -> Option<PermitHandle> {
+        self.with_slot(req, |slot, _| {
+            slot.pool.get()?.mode()?;
+            Some(PermitHandle { agent: self.clone(), slot: slot.clone() })
         })
     }
 

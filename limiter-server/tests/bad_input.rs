@@ -52,6 +52,27 @@ async fn each_bad_request_is_refused_and_the_server_keeps_serving() {
         c.should_allow_batch(pb::ShouldAllowBatchRequest { requests: vec![] }).await.unwrap_err();
     assert_eq!(e.code(), Code::InvalidArgument);
     assert!(c.should_allow(ask("acme", "/r")).await.unwrap().into_inner().allowed);
+    // A client cannot lease a node's slice of a root level, nor name a class's.
+    let slice = |level: pb::Scope, class: &str| pb::LeaseRequest {
+        agent_id: "gw-1".into(),
+        items: vec![pb::LeaseItem {
+            route: "/r".into(),
+            want: 5,
+            cost: 1,
+            level: level.into(),
+            share_class: class.into(),
+            ..Default::default()
+        }],
+        epoch: 0,
+    };
+    for (req, field) in [
+        (slice(pb::Scope::Global, ""), "items[0]: level"),
+        (slice(pb::Scope::Unspecified, "gold"), "items[0]: share_class"),
+    ] {
+        let e = c.lease(req).await.unwrap_err();
+        assert_eq!(e.code(), Code::InvalidArgument);
+        assert!(e.message().starts_with(field), "`{}` should name `{field}`", e.message());
+    }
     // Refusals are counted by field, with no tenant in any label.
     let (_, metrics) = s.get("/metrics").await;
     assert!(

@@ -248,6 +248,18 @@ pub async fn lease(
     req: &pb::LeaseRequest,
     hop: u8,
 ) -> Result<Vec<pb::LeaseGrant>, (usize, ServerError)> {
+    // Slices of root levels are leased between nodes only (a peer's call, which the
+    // listener's auth holds to the peer role): a client naming a level or a class
+    // would take what the level's owner divides among nodes, or a class's share.
+    if hop == 0
+        && let Some(i) = req.items.iter().position(|i| i.level != 0 || !i.share_class.is_empty())
+    {
+        let field = if req.items[i].level != 0 { "level" } else { "share_class" };
+        return Err((
+            i,
+            ServerError::invalid(field, "slices of root levels are leased by nodes only"),
+        ));
+    }
     let Some(cluster) = owner.cluster().filter(|c| !c.is_single()) else {
         return owner.lease(&req.agent_id, &req.items).await;
     };

@@ -43,6 +43,9 @@ pub struct Balance {
     hits: AtomicU64,
     last_used: AtomicU64,
     renew_wanted: AtomicBool,
+    /// The key's chain has a concurrency level held in a local pool: its requests
+    /// need a permit too (kept here, on the line the hot path reads anyway).
+    permits: AtomicBool,
 }
 
 impl Balance {
@@ -84,6 +87,17 @@ impl Balance {
         let renew = remaining < self.low_water.load(Ordering::Relaxed)
             && !self.renew_wanted.swap(true, Ordering::Relaxed);
         Spend::Hit { remaining, renew }
+    }
+
+    /// Whether the key's requests need a permit of its pool too.
+    #[inline]
+    pub fn needs_permit(&self) -> bool {
+        self.permits.load(Ordering::Relaxed)
+    }
+
+    /// Says whether the key's requests need a permit of its pool too.
+    pub fn set_needs_permit(&self, on: bool) {
+        self.permits.store(on, Ordering::Relaxed);
     }
 
     /// Counts a local decision that spent nothing here (a permit was all it took).

@@ -175,12 +175,13 @@ impl Agent {
     /// local pool too (the outcome holds it: release it when the request ends).
     #[inline]
     pub fn decide_local(&self, req: &AgentRequest<'_>) -> Option<Outcome> {
-        self.with_slot(req, |slot, now| match slot.pool.get().and_then(|p| p.mode()) {
-            None => self.inner.spend(slot, now, req.cost).map(Outcome::local),
-            Some(only) => {
-                let (permit, remaining) = self.inner.take_local(slot, now, req.cost, only)?;
-                Some(Outcome::local(remaining).with_local(permit, now))
+        self.with_slot(req, |slot, now| {
+            if !slot.balance.needs_permit() {
+                return self.inner.spend(slot, now, req.cost).map(Outcome::local);
             }
+            let only = slot.pool.get()?.mode()?;
+            let (permit, remaining) = self.inner.take_local(slot, now, req.cost, only)?;
+            Some(Outcome::local(remaining).with_local(permit, now))
         })
     }
 
@@ -203,7 +204,7 @@ impl Agent {
     #[inline]
     pub fn spend_local(&self, req: &AgentRequest<'_>) -> Option<u64> {
         self.with_slot(req, |slot, now| {
-            if slot.pool.get().is_some_and(|p| p.mode().is_some()) {
+            if slot.balance.needs_permit() {
                 return None;
             }
             self.inner.spend(slot, now, req.cost)

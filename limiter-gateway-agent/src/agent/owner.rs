@@ -355,10 +355,8 @@ impl Inner {
         if let Some(p) = &g.on_failure {
             self.routes.lock().insert(slot.key.route().into(), failure_policy(p));
         }
-        match slot.pool.get() {
-            Some(p) => p.set_mode(g.permits, g.permits_only),
-            None if g.permits => slot.pool.get_or_init(Box::default).set_mode(true, g.permits_only),
-            None => {}
+        if g.permits || slot.pool.get().is_some() {
+            slot.set_permits(g.permits, g.permits_only);
         }
     }
 

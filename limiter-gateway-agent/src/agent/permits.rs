@@ -277,6 +277,13 @@ impl Slot {
             .then(|| LocalPermit { slot: self.clone(), units: AtomicU64::new(units) })
     }
 
+    /// Says whether the key's chain has concurrency levels held in its pool, and
+    /// whether a permit is all its requests need.
+    pub(super) fn set_permits(&self, permits: bool, only: bool) {
+        self.pool.get_or_init(Box::default).set_mode(permits, only);
+        self.balance.set_needs_permit(permits);
+    }
+
     /// Whether the pool holds nothing and lends nothing (the key may be forgotten).
     pub(super) fn pool_empty(&self) -> bool {
         self.pool.get().is_none_or(|p| p.units() == (0, 0))
@@ -433,7 +440,7 @@ impl Inner {
                     // The chain lost its concurrency level (a new policy), or the
                     // cost is above its limit.
                     if s.message().contains("permit_block") {
-                        pool.set_mode(false, false);
+                        slot.set_permits(false, false);
                         return Ok(Took::Off);
                     }
                     return Err(AgentError::Invalid(s.message().to_owned()));

@@ -20,7 +20,7 @@ use std::hint::black_box;
 use std::time::{Duration, Instant};
 
 use criterion::{Criterion, criterion_group, criterion_main};
-use limiter_gateway_agent::{Agent, AgentRequest, PermitHandle};
+use limiter_gateway_agent::{Agent, AgentRequest};
 
 const POLICY: &str = r"
 version: 1
@@ -32,43 +32,15 @@ tenants:
 
 const REQ: AgentRequest<'static> = AgentRequest { tenant: "t", route: "/pool", key: None, cost: 1 };
 
-/// Times `iters` local acquire-and-release pairs per thread; a miss asks the owner
-/// off the clock and off the count.
-fn run_agent(rt: &tokio::runtime::Runtime, agent: &Agent, threads: usize, iters: u64) -> Duration {
-    common::slowest(threads, |_| {
-        let mut timed = Duration::ZERO;
-        let mut done = 0;
-        while done < iters {
-            #[allow(clippy::disallowed_methods)] // measuring wall time
-            let start = Instant::now();
-            let mut missed = false;
-            while done < iters {
-                match black_box(agent.acquire_local(&REQ)) {
-                    Some(p) => drop(p),
-                    None => {
-                        missed = true;
-                        break;
-                    }
-                }
-                done += 1;
-            }
-            timed += start.elapsed();
-            if missed {
-                let o = rt.block_on(agent.decide(&REQ)).unwrap();
-                assert!(o.allowed, "the pool grows: {o:?}");
-            }
-        }
-        timed
-    })
-}
-
-/// The same through a handle on the key's pool (no lookup per permit).
-fn run_handle(
+/// Times `iters` local acquire-and-release pairs per thread (`take` takes a permit
+/// and gives it back: whether it found one); a miss asks the owner off the clock and
+/// off the count.
+fn run_agent(
     rt: &tokio::runtime::Runtime,
     agent: &Agent,
-    handle: &PermitHandle,
     threads: usize,
     iters: u64,
+    take: impl Fn() -> bool + Sync,
 ) -> Duration {
     common::slowest(threads, |_| {
         let mut timed = Duration::ZERO;
@@ -78,12 +50,9 @@ fn run_handle(
             let start = Instant::now();
             let mut missed = false;
             while done < iters {
-                match black_box(handle.try_acquire(1)) {
-                    Some(p) => drop(p),
-                    None => {
-                        missed = true;
-                        break;
-                    }
+                if !take() {
+                    missed = true;
+                    break;
                 }
                 done += 1;
             }
@@ -115,16 +84,18 @@ fn bench(c: &mut Criterion) {
     let first = rt.block_on(agent.decide(&REQ)).unwrap();
     assert!(first.allowed && first.permit.is_some(), "{first:?}");
     drop(first);
-    run_agent(rt, agent, 2, 100_000);
+    let by_key = || black_box(agent.acquire_local(&REQ)).is_some();
+    run_agent(rt, agent, 2, 100_000, by_key);
     let handle = agent.permit_handle(&REQ).expect("the key has a pool");
     let sem = tokio::sync::Semaphore::new(1_000_000);
     for threads in [1, 2] {
         let mut g = c.benchmark_group(format!("local_permit_{threads}_threads"));
         g.bench_function("agent_pool", |b| {
-            b.iter_custom(|iters| run_agent(rt, agent, threads, iters));
+            b.iter_custom(|iters| run_agent(rt, agent, threads, iters, by_key));
         });
         g.bench_function("agent_pool_handle", |b| {
-            b.iter_custom(|iters| run_handle(rt, agent, &handle, threads, iters));
+            let by_handle = || black_box(handle.try_acquire(1)).is_some();
+            b.iter_custom(|iters| run_agent(rt, agent, threads, iters, by_handle));
         });
         g.bench_function("tokio_semaphore", |b| {
             b.iter_custom(|iters| run_semaphore(&sem, threads, iters));

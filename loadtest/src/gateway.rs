@@ -57,12 +57,12 @@ pub fn main() -> anyhow::Result<()> {
                             None => break,
                         },
                         _ = tick.tick() => {
-                            let _ = writeln!(out, "C {}", target.owner_calls().unwrap_or(0));
+                            let _ = writeln!(out, "{}", target.owner_calls().unwrap_or_default().to_line());
                             let _ = out.flush();
                         }
                     }
                 }
-                let _ = writeln!(out, "C {}", target.owner_calls().unwrap_or(0));
+                let _ = writeln!(out, "{}", target.owner_calls().unwrap_or_default().to_line());
                 let _ = out.flush();
             }
         });

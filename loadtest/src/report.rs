@@ -119,13 +119,44 @@ impl ServerCounts {
     }
 }
 
+/// How long a run warms up before its agents' locality is measured (issue #19's
+/// figures: decided locally, owner calls per 1000 decisions, service time after it).
+pub const WARM_UP: u64 = 2 * SEC;
+
+/// The agents' owner calls, counted at the end of the warm-up and at the end.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct OwnerCalls {
+    /// The warm-up's length, nanoseconds.
+    pub warm_up: u64,
+    /// Calls and items when it ended.
+    pub at_warm_up: crate::target::Calls,
+    /// Calls and items at the end of the run.
+    pub at_end: crate::target::Calls,
+}
+
+/// An agent run's locality after its warm-up.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct Locality {
+    /// Decisions (admissions and refusals) after the warm-up.
+    pub decisions: u64,
+    /// Of them, decided at the agent without waiting on an owner (a lease hit or a
+    /// refusal kept from the owner's answer), as a share.
+    pub local_share: f64,
+    /// Owner calls per 1000 of those decisions.
+    pub calls_per_1000: f64,
+    /// Items (keys) carried by those calls per 1000 decisions.
+    pub items_per_1000: f64,
+    /// Service time of those decisions.
+    pub service: Latency,
+}
+
 /// What a run learns besides the records.
 #[derive(Debug, Clone, Default)]
 pub struct Extras {
     /// The routes offered whose policy fails open.
     pub fail_open_routes: Vec<String>,
     /// Agent calls to owners.
-    pub owner_calls: Option<u64>,
+    pub owner_calls: Option<OwnerCalls>,
     /// Faults done.
     pub events: Vec<FaultEvent>,
     /// Lease fates over time.
@@ -329,8 +360,10 @@ pub struct Report {
     pub service: Latency,
     /// Accuracy.
     pub accuracy: Accuracy,
-    /// Agent calls to owners per 1000 decisions.
+    /// Agent calls to owners per 1000 decisions (the whole run).
     pub owner_calls_per_1000: Option<f64>,
+    /// Agents' locality after the warm-up.
+    pub locality: Option<Locality>,
     /// Per second.
     pub per_second: Vec<Second>,
     /// Per route.
@@ -384,7 +417,8 @@ pub fn build(s: &Scenario, names: &Names, records: &[Record], ideal: &[bool], x:
     let mut per_second: Vec<Second> =
         (0..seconds as u64).map(|t| Second { t, ..Default::default() }).collect();
     let new_hist = || Histogram::<u64>::new_with_bounds(1, 3_600_000_000, 3).expect("valid bounds");
-    let (mut hist, mut service_hist) = (new_hist(), new_hist());
+    let (mut hist, mut service_hist, mut warm_hist) = (new_hist(), new_hist(), new_hist());
+    let (mut warm_decisions, mut warm_local) = (0u64, 0u64);
     let mut routes: Vec<RouteOutcome> = names
         .routes
         .iter()
@@ -448,7 +482,13 @@ pub fn build(s: &Scenario, names: &Names, records: &[Record], ideal: &[bool], x:
         }
         if r.kind != Kind::Error {
             let _ = hist.record(r.latency.max(1));
-            let _ = service_hist.record((r.at + r.latency).saturating_sub(r.sent).max(1));
+            let took = (r.at + r.latency).saturating_sub(r.sent).max(1);
+            let _ = service_hist.record(took);
+            if r.at >= WARM_UP && matches!(r.kind, Kind::Admitted | Kind::Rejected) {
+                let _ = warm_hist.record(took);
+                warm_decisions += 1;
+                warm_local += u64::from(r.source == Source::Local);
+            }
         }
     }
     let latency = Latency::of(&hist);
@@ -526,9 +566,25 @@ pub fn build(s: &Scenario, names: &Names, records: &[Record], ideal: &[bool], x:
         gateways: s.gateways,
         duration_s: run_len.as_secs_f64(),
         cores: std::thread::available_parallelism().map_or(1, std::num::NonZero::get),
-        owner_calls_per_1000: x
-            .owner_calls
-            .map(|c| if decisions == 0 { 0.0 } else { c as f64 * 1000.0 / decisions as f64 }),
+        owner_calls_per_1000: x.owner_calls.map(|c| {
+            if decisions == 0 { 0.0 } else { c.at_end.calls as f64 * 1000.0 / decisions as f64 }
+        }),
+        locality: x.owner_calls.map(|c| {
+            let per_1000 = |n: u64| {
+                if warm_decisions == 0 { 0.0 } else { n as f64 * 1000.0 / warm_decisions as f64 }
+            };
+            Locality {
+                decisions: warm_decisions,
+                local_share: if warm_decisions == 0 {
+                    0.0
+                } else {
+                    warm_local as f64 / warm_decisions as f64
+                },
+                calls_per_1000: per_1000(c.at_end.calls.saturating_sub(c.at_warm_up.calls)),
+                items_per_1000: per_1000(c.at_end.items.saturating_sub(c.at_warm_up.items)),
+                service: Latency::of(&warm_hist),
+            }
+        }),
         totals,
         latency,
         service,
@@ -788,6 +844,20 @@ impl Report {
         }
         if let Some(c) = self.owner_calls_per_1000 {
             let _ = writeln!(m, "Owner calls per 1000 decisions: {c:.1}\n");
+        }
+        if let Some(l) = &self.locality {
+            let _ = writeln!(
+                m,
+                "After the {} s warm-up: {} decisions, {:.2}% decided at the agent, {:.1} owner calls and {:.1} items per 1000 decisions, service time p50 {:.0} µs, p99 {:.0} µs, p99.9 {:.0} µs\n",
+                WARM_UP / SEC,
+                l.decisions,
+                l.local_share * 100.0,
+                l.calls_per_1000,
+                l.items_per_1000,
+                l.service.p50,
+                l.service.p99,
+                l.service.p999
+            );
         }
         m.push_str(&self.routes_table());
         m.push_str(&self.faults_table());

@@ -18,7 +18,7 @@ use crate::procs::{self, Node, Redis, Relay};
 use crate::record::{self, Kind, Record, Source};
 use crate::report::{self, FaultEvent, LeaseSample, Report};
 use crate::scenario::{Action, FaultTarget, Scenario, Servers, Store, TargetKind};
-use crate::target::{Names, Target};
+use crate::target::{Calls, Names, Target};
 use crate::workload::{self, Planned};
 
 /// How a run shows itself.
@@ -113,6 +113,13 @@ pub async fn drive(
     }
 }
 
+/// The owner calls of every agent so far: the run's own and its gateway processes'.
+fn calls_now(in_process: &[Target], procs: &Mutex<Vec<GatewayProc>>) -> Calls {
+    let here =
+        in_process.iter().filter_map(Target::owner_calls).fold(Calls::default(), |a, b| a + b);
+    procs.lock().iter().map(|p| *p.owner_calls.lock()).fold(here, |a, b| a + b)
+}
+
 /// Nanoseconds of a duration, saturated.
 pub fn nanos(d: Duration) -> u64 {
     u64::try_from(d.as_nanos()).unwrap_or(u64::MAX)
@@ -121,7 +128,7 @@ pub fn nanos(d: Duration) -> u64 {
 /// A gateway process and what it said of itself.
 struct GatewayProc {
     child: Option<Child>,
-    owner_calls: Arc<AtomicU64>,
+    owner_calls: Arc<Mutex<Calls>>,
     /// The first panic its standard error showed.
     panicked: Arc<Mutex<Option<String>>>,
     /// Killed by a fault (its end is not a crash).
@@ -218,6 +225,14 @@ pub async fn run(s: &Scenario, opts: Options) -> anyhow::Result<Report> {
         }
     }
     drop(tx);
+    // The agents' owner calls once the warm-up is over.
+    let warm = tokio::spawn({
+        let (in_process, gateway_procs) = (in_process.clone(), gateway_procs.clone());
+        async move {
+            tokio::time::sleep_until(start + Duration::from_nanos(report::WARM_UP)).await;
+            calls_now(&in_process, &gateway_procs)
+        }
+    });
 
     // Faults.
     let events = Arc::new(Mutex::new(Vec::<FaultEvent>::new()));
@@ -360,10 +375,9 @@ pub async fn run(s: &Scenario, opts: Options) -> anyhow::Result<Report> {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     let owner_calls = if s.target == TargetKind::Agent {
-        let mut n: u64 = in_process.iter().filter_map(Target::owner_calls).sum();
-        n +=
-            gateway_procs.lock().iter().map(|p| p.owner_calls.load(Ordering::Relaxed)).sum::<u64>();
-        Some(n)
+        let end = calls_now(&in_process, &gateway_procs);
+        let warm = warm.await.unwrap_or_default();
+        Some(report::OwnerCalls { warm_up: report::WARM_UP, at_warm_up: warm, at_end: end })
     } else {
         None
     };
@@ -512,15 +526,15 @@ fn spawn_gateway(
         });
     }
     let out = child.stdout.take().context("gateway stdout")?;
-    let owner_calls = Arc::new(AtomicU64::new(0));
+    let owner_calls = Arc::new(Mutex::new(Calls::default()));
     let calls = owner_calls.clone();
     std::thread::spawn(move || {
         for line in BufReader::new(out).lines() {
             let Ok(line) = line else { break };
             if let Some(r) = Record::from_line(&line) {
                 let _ = tx.send(r);
-            } else if let Some(n) = line.strip_prefix("C ").and_then(|n| n.parse().ok()) {
-                calls.store(n, Ordering::Relaxed);
+            } else if let Some(n) = Calls::from_line(&line) {
+                *calls.lock() = n;
             }
         }
     });

@@ -163,10 +163,13 @@ impl Target {
         }
     }
 
-    /// Calls to the owner so far (agents only).
-    pub fn owner_calls(&self) -> Option<u64> {
+    /// Calls to owners so far and the items they carried (agents only).
+    pub fn owner_calls(&self) -> Option<Calls> {
         match self {
-            Self::Agent(a) => Some(a.stats().owner_calls),
+            Self::Agent(a) => {
+                let st = a.stats();
+                Some(Calls { calls: st.owner_calls, items: st.owner_items })
+            }
             _ => None,
         }
     }
@@ -176,6 +179,37 @@ impl Target {
         if let Self::Agent(a) = self {
             a.shutdown().await;
         }
+    }
+}
+
+/// An agent's owner calls and the items (keys) they carried.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Calls {
+    /// Calls made.
+    pub calls: u64,
+    /// Items carried by them.
+    pub items: u64,
+}
+
+impl std::ops::Add for Calls {
+    type Output = Self;
+    fn add(self, o: Self) -> Self {
+        Self { calls: self.calls + o.calls, items: self.items + o.items }
+    }
+}
+
+impl Calls {
+    /// The line a gateway process prints of them.
+    pub fn to_line(self) -> String {
+        format!("C {} {}", self.calls, self.items)
+    }
+
+    /// Parses [`Self::to_line`]'s output.
+    pub fn from_line(line: &str) -> Option<Self> {
+        let mut it = line.strip_prefix("C ")?.split(' ');
+        let calls = it.next()?.parse().ok()?;
+        let items = it.next()?.parse().ok()?;
+        Some(Self { calls, items })
     }
 }
 

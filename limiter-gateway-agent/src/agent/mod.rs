@@ -32,7 +32,7 @@ pub use self::answer::{
 pub use self::clock::FastClock;
 pub use self::permits::{HandlePermit, LocalPermit, PermitHandle};
 use self::renew::*;
-use self::schedule::Schedule;
+use self::schedule::{Schedule, When};
 use self::slots::*;
 use self::wire::*;
 

@@ -36,6 +36,8 @@ impl Inner {
             level: 0,
             local_permits: self.config.local_permits,
             share_class: String::new(),
+            // Rationed keys are renewed every round (half of this).
+            renews_within: Some(duration(nanos(self.config.renew_interval))),
         }
     }
 
@@ -218,18 +220,30 @@ impl Inner {
         *self.ring.lock() = Some(Arc::new(Ring::new(t.epoch, members)));
     }
 
-    /// How far ahead of a grant's end its renewal is sent: a renewal round (the
-    /// renewer may be that late) and two owner calls.
+    /// How far ahead of a grant's end its renewal is sent: a round of the renewer
+    /// (half `renew_interval`: it may be that late) with a quarter more, and two owner
+    /// calls.
     pub(super) fn lead(&self) -> Nanos {
-        let interval = nanos(self.config.renew_interval);
-        interval + interval / 4 + 2 * self.rtt.load(Ordering::Relaxed)
+        let round = nanos(self.config.renew_interval) / 2;
+        round + round / 4 + 2 * self.rtt.load(Ordering::Relaxed)
     }
 
-    /// Units to ask for: two renewal rounds and the owner's latency of demand, at
-    /// least `cost`.
-    pub(super) fn want(&self, demand_per_sec: u64, cost: u64) -> u64 {
-        let span = nanos(self.config.renew_interval) * 2 + self.rtt.load(Ordering::Relaxed);
-        limiter_core::holder::want(demand_per_sec, span, cost, u64::MAX)
+    /// Units to ask for: two rounds of the renewer (one `renew_interval`) and the
+    /// owner's latency of demand, at least `cost`; with room for its swings
+    /// ([`with_swings`]) unless the key's last grant was cut short (near the limit
+    /// the owner divides in proportion to the asks, which must then be in proportion
+    /// to demand).
+    pub(super) fn want(&self, st: &LeaseState, demand_per_sec: u64, cost: u64) -> u64 {
+        let span = nanos(self.config.renew_interval) + self.rtt.load(Ordering::Relaxed);
+        if st.cut {
+            // Rounded up: truncated, a small holder's ask would shrink against a
+            // large one's (1.75 units asked as 1 against 18.25 as 18).
+            let units = (u128::from(demand_per_sec) * u128::from(span))
+                .div_ceil(u128::from(limiter_core::clock::NANOS_PER_SEC));
+            u64::try_from(units).unwrap_or(u64::MAX).max(cost).max(1)
+        } else {
+            with_swings(demand_per_sec, span).max(cost)
+        }
     }
 
     /// Counts an owner call's latency into the average.
@@ -284,10 +298,9 @@ impl Inner {
         st.window_end = g.window_end;
         let deadline = Margin { permille, at_least: 1 }.spendable_until(sent_at, hold);
         let units = g.units - consume;
-        // Low water: what the key spends before a renewal sent now comes back.
-        let by_demand = u128::from(st.demand.rate()) * u128::from(self.lead())
-            / u128::from(limiter_core::clock::NANOS_PER_SEC);
-        let low = u64::try_from(by_demand).unwrap_or(u64::MAX).saturating_add(1).min(units);
+        // Low water: what the key spends before a renewal sent now comes back, with
+        // room for its swings.
+        let low = with_swings(st.demand.rate(), self.lead()).min(units);
         slot.balance.install(units, deadline, low);
         st.counted = slot.balance.units();
     }
@@ -310,31 +323,40 @@ impl Inner {
     }
 
     /// When the renewer is to look at a key next, as it stands at `now`.
-    pub(super) fn next_due(&self, slot: &Slot, st: &LeaseState, now: Nanos) -> Nanos {
-        let interval = nanos(self.config.renew_interval);
+    pub(super) fn next_due(&self, slot: &Slot, st: &LeaseState, now: Nanos) -> When {
         let idle_after = nanos(self.config.idle_after);
         let idle_at = slot.balance.last_used().max(now.saturating_sub(idle_after)) + idle_after;
+        // Rationed (the owner cut its share, perhaps to nothing): asked again every
+        // round while used.
+        if st.denied.is_some() && st.cut && idle_at > now {
+            return When::by((now + self.rationed_every()).min(idle_at));
+        }
         if st.lease_id == 0 {
-            return slot.balance.last_used() + FORGET_AFTER_IDLE * idle_after + 1;
+            return When::by(slot.balance.last_used() + FORGET_AFTER_IDLE * idle_after + 1);
         }
-        // Rationed (the owner cut its share): asked again every round while used.
         if st.denied.is_some() {
-            return (now + interval).min(idle_at);
+            return When::by((now + self.rationed_every()).min(idle_at).max(now + 1));
         }
-        let lead = self.lead();
-        let renew_at = if st.window_end {
+        let (renew_at, exact) = if st.window_end {
             // A grant ending with a window: renewed just past the end (when the
-            // owner's next window has begun), or before when it runs low.
-            st.sent_at + st.hold + self.rtt.load(Ordering::Relaxed) + 1_000_000
+            // owner's next window has begun), not before, or before when it runs low.
+            (st.sent_at + st.hold + self.rtt.load(Ordering::Relaxed) + 1_000_000, true)
         } else if self.short(st) {
             // A hold shorter than a renewal's lead (a sliding log's): topped up just
             // before it lapses, two round trips and 2 ms ahead (at least half way).
             let ahead = 2 * self.rtt.load(Ordering::Relaxed) + 2_000_000;
-            slot.balance.deadline().saturating_sub(ahead).max(st.sent_at + st.hold / 2)
+            (slot.balance.deadline().saturating_sub(ahead).max(st.sent_at + st.hold / 2), true)
         } else {
-            slot.balance.deadline().saturating_sub(lead)
+            (slot.balance.deadline().saturating_sub(self.lead()), false)
         };
-        renew_at.min(idle_at).max(now + 1)
+        let at = renew_at.min(idle_at).max(now + 1);
+        if exact { When::at(at) } else { When::by(at) }
+    }
+
+    /// How often a rationed key (its share cut near the limit) is renewed while
+    /// used: every round of the renewer (half `renew_interval`).
+    pub(super) fn rationed_every(&self) -> Nanos {
+        nanos(self.config.renew_interval)
     }
 
     /// Whether the key's grant is held for less than a renewal's lead (a sliding
@@ -394,18 +416,25 @@ impl Inner {
     /// locally), or a local refusal while the key's share is spent, or the failure
     /// policy.
     pub(super) async fn slow(&self, slot: &Arc<Slot>, cost: u64) -> Result<Outcome, AgentError> {
-        let mut st = slot.lease.lock().await;
+        // A request that waits here for another's owner call (a renewal out with the
+        // balance spent) is not decided locally, whatever the call brings.
+        let (mut st, waited) = match slot.lease.try_lock() {
+            Ok(st) => (st, false),
+            Err(_) => (slot.lease.lock().await, true),
+        };
         let now = self.clock.now();
         slot.balance.touch(now);
         if let Spend::Hit { remaining, .. } = slot.balance.try_spend(now, cost) {
-            return Ok(Outcome::local(remaining));
+            let source = if waited { Source::Granted } else { Source::Local };
+            return Ok(Outcome { source, ..Outcome::local(remaining) });
         }
         // The owner refused a request like this one a moment ago, or cut this key's
         // share: the same answer from here, with the wait left, until it lapses.
         if let Some(r) = &st.denied
             && let Some(wait) = r.wait(now, cost)
         {
-            let o = Outcome { retry_after: wait, source: Source::Local, ..r.detail.clone() };
+            let source = if waited { Source::Owner } else { Source::Local };
+            let o = Outcome { retry_after: wait, source, ..r.detail.clone() };
             self.stats[REFUSED].fetch_add(1, Ordering::Relaxed);
             // Refused units are demand too: the next renewal asks for them.
             st.demand.spend(cost);
@@ -425,7 +454,7 @@ impl Inner {
             let units = slot.balance.units();
             st.demand(now, units, cost)
         };
-        let want = if st.mode == Mode::Direct { 0 } else { self.want(demand, cost) };
+        let want = if st.mode == Mode::Direct { 0 } else { self.want(&st, demand, cost) };
         // The balance cannot cover the request: what it holds goes back with the call.
         let (id, unspent) = self.take_lease(slot, &mut st);
         let answer = self.call(vec![self.item(slot, id, unspent, want, cost, demand)]).await;
@@ -443,6 +472,7 @@ impl Inner {
             return Ok(self.fallback(slot.key.route(), cost));
         };
         self.learn_failure_policy(slot, &g);
+        st.cut = g.units < want;
         if g.permits_only {
             // Nothing but concurrency levels: the key's pool decides its requests.
             st.mode = Mode::Leased;
@@ -478,6 +508,21 @@ impl Inner {
 fn refusal(o: &Outcome, now: Nanos, cost: u64, cap: Nanos) -> Option<Refusal<Outcome>> {
     (by_a_limit(o) && o.retry_after > 0 && cap > 0)
         .then(|| Refusal::new(now, o.retry_after, cap, cost, o.clone()))
+}
+
+/// The units a key at `demand_per_sec` spends over `span`, with room for arrivals'
+/// swings: the mean, two standard deviations of a Poisson count of that mean, and
+/// one unit, rounded up (a key at 1 unit a span holds 4, at 50 holds 66), so that a
+/// key at steady demand runs dry before its renewal comes back in about one span in
+/// forty.
+fn with_swings(demand_per_sec: u64, span: Nanos) -> u64 {
+    #[allow(clippy::cast_precision_loss)]
+    let mean = demand_per_sec as f64 * span as f64 / limiter_core::clock::NANOS_PER_SEC as f64;
+    let units = (mean + 2.0 * mean.sqrt()).ceil() + 1.0;
+    // Saturating: a float beyond u64's range becomes u64::MAX.
+    #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
+    let units = units as u64;
+    units
 }
 
 /// Whether `o` is a refusal by one of the policy's limits.

@@ -10,7 +10,9 @@ use tokio_util::sync::CancellationToken;
 
 /// The background renewer: one call in flight to the owner at a time, carrying
 /// every key that is due (low on units, near its grant's end, rationed, or idle).
-/// It sleeps a jittered round or until the schedule's first key is due.
+/// A round comes every half `renew_interval` (jittered) and takes every key due
+/// before the next (`Schedule`), so the keys of a round share one call; a key that
+/// must not be renewed early gets a round at its own time.
 pub(super) async fn renew_loop(inner: Weak<Inner>, cancel: CancellationToken) {
     let mut jitter: u64 = 0x9e37_79b9_7f4a_7c15;
     let mut next_due: Option<Nanos> = None;
@@ -24,7 +26,8 @@ pub(super) async fn renew_loop(inner: Weak<Inner>, cancel: CancellationToken) {
         jitter ^= jitter << 13;
         jitter ^= jitter >> 7;
         jitter ^= jitter << 17;
-        let mut wait = interval - interval / 10 + jitter % (interval / 5).max(1);
+        let half = interval / 2;
+        let mut wait = half - half / 10 + jitter % (half / 5).max(1);
         if let Some(due) = next_due {
             wait = wait.min(due.saturating_sub(now).max(1_000_000));
         }
@@ -80,8 +83,8 @@ pub(super) async fn topology_loop(
 /// The most keys one round takes from the schedule (the rest wait for the next).
 const MOST_PER_ROUND: usize = 5_000;
 
-/// One round: every key that ran low or falls due within a twentieth of a round (so
-/// that keys due together share a call) is renewed (a top-up: its balance keeps
+/// One round: every key that ran low or falls due before the next round (so that
+/// keys due at scattered times share a call; `Schedule`) is renewed (a top-up: its balance keeps
 /// serving while the call is out), given back (idle) or forgotten (long idle, holding
 /// nothing), in one call per owner. Returns when the schedule's next key is due
 /// (`None` while the owner is out of reach: the next round is a whole one away).
@@ -92,7 +95,8 @@ pub(super) async fn renew_due(inner: &Inner) -> Option<Nanos> {
     }
     let interval = nanos(inner.config.renew_interval);
     let idle_after = nanos(inner.config.idle_after);
-    let slots = inner.schedule.take_due(now + interval / 20, MOST_PER_ROUND);
+    let early = interval / 2;
+    let slots = inner.schedule.take_due(now, early, MOST_PER_ROUND);
     let mut forgotten = Vec::new();
     let mut items = Vec::new();
     // Per key: its lease state, the index of its renewal item (if it renews), and
@@ -101,11 +105,14 @@ pub(super) async fn renew_due(inner: &Inner) -> Option<Nanos> {
     for slot in &slots {
         let Ok(mut st) = slot.lease.try_lock() else {
             // Its own call is out: looked at again next round.
-            inner.schedule.at(slot, now + interval);
+            inner.schedule.at(slot, When::by(now + interval));
             continue;
         };
         let unused = now.saturating_sub(slot.balance.last_used());
-        if st.lease_id == 0 {
+        // A rationed key holding nothing (its last share was none) asks again while
+        // used.
+        let rationed = st.cut && st.denied.is_some() && unused <= idle_after;
+        if st.lease_id == 0 && !rationed {
             if unused > FORGET_AFTER_IDLE * idle_after
                 && slot.balance.units() == 0
                 && slot.pool_empty()
@@ -123,8 +130,11 @@ pub(super) async fn renew_due(inner: &Inner) -> Option<Nanos> {
         }
         let demand = st.demand(now, slot.balance.units(), 0);
         inner.tenant_demand(slot.key.parts().0, demand);
-        let want = inner.want(demand, 1);
-        let (id, unspent) = if now >= slot.balance.deadline() {
+        let want = inner.want(&st, demand, 1);
+        let (id, unspent) = if st.lease_id == 0 {
+            // No lease to settle (spare units still spendable stay).
+            (0, 0)
+        } else if now >= slot.balance.deadline() {
             // Lapsed: given back and replaced in one item (requests wait for it).
             inner.take_lease(slot, &mut st)
         } else {
@@ -142,20 +152,21 @@ pub(super) async fn renew_due(inner: &Inner) -> Option<Nanos> {
             (std::mem::take(&mut st.lease_id), unspent)
         };
         items.push(inner.item(slot, id, unspent, want, 0, demand));
-        work.push((slot, st, Some(items.len() - 1)));
+        work.push((slot, st, Some((items.len() - 1, want))));
     }
     if !forgotten.is_empty() {
         inner.slots.remove(&forgotten);
     }
     if items.is_empty() {
-        return inner.schedule.next();
+        return inner.schedule.next(now, early);
     }
     let answer = inner.call(items).await;
     let back = inner.clock.now();
     match answer {
         Ok(grants) => {
             for (slot, mut st, renewal) in work {
-                if let Some(g) = renewal.and_then(|i| grants.get(i)) {
+                if let Some((g, want)) = renewal.and_then(|(i, w)| Some((grants.get(i)?, w))) {
+                    st.cut = g.units < want;
                     inner.renewed(slot, &mut st, g, now);
                 }
                 inner.schedule.at(slot, inner.next_due(slot, &st, back));
@@ -165,11 +176,11 @@ pub(super) async fn renew_due(inner: &Inner) -> Option<Nanos> {
             // What was given back is lost with the call (its owner writes it off);
             // the keys ask again next round.
             for (slot, _, _) in work {
-                inner.schedule.at(slot, back + interval);
+                inner.schedule.at(slot, When::by(back + interval));
             }
         }
     }
-    inner.schedule.next()
+    inner.schedule.next(now, early)
 }
 
 impl Inner {

@@ -2,6 +2,12 @@
 //! and the keys whose balance fell below its low-water mark since the last round. A
 //! round with nothing due looks at the heap's top and returns; an idle key costs one
 //! entry, looked at when its idleness is due to be checked.
+//!
+//! Most keys may be renewed early (their lead covers it): a round takes every key due
+//! within the next half round, so that keys due at scattered instants share one call
+//! and rounds come at most twice a round's interval. A key whose renewal must not come
+//! early (a grant that ends with a window, renewed once the next window has begun; a
+//! hold shorter than a round) is taken only once its time has come.
 
 use std::cmp::Ordering as Order;
 use std::collections::BinaryHeap;
@@ -17,7 +23,28 @@ use super::slots::Slot;
 /// since).
 struct Due {
     at: Nanos,
+    /// Not to be taken before `at`.
+    exact: bool,
     slot: Arc<Slot>,
+}
+
+/// When a key falls due next, and whether it may be taken early.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) struct When {
+    pub(super) at: Nanos,
+    pub(super) exact: bool,
+}
+
+impl When {
+    /// Due at `at`, or up to half a round before.
+    pub(super) fn by(at: Nanos) -> Self {
+        Self { at, exact: false }
+    }
+
+    /// Due at `at`, not before.
+    pub(super) fn at(at: Nanos) -> Self {
+        Self { at, exact: true }
+    }
 }
 
 impl PartialEq for Due {
@@ -60,12 +87,12 @@ struct Heap {
 const SLACK: usize = 1_024;
 
 impl Schedule {
-    /// `slot` is next due at `at` (any earlier time it had no longer counts).
-    pub(super) fn at(&self, slot: &Arc<Slot>, at: Nanos) {
-        let at = at.max(1);
+    /// `slot` is next due `when` (any earlier time it had no longer counts).
+    pub(super) fn at(&self, slot: &Arc<Slot>, when: When) {
+        let at = when.at.max(1);
         slot.due.store(at, Ordering::Relaxed);
         let mut heap = self.heap.lock();
-        heap.entries.push(Due { at, slot: slot.clone() });
+        heap.entries.push(Due { at, exact: when.exact, slot: slot.clone() });
         if heap.entries.len() > heap.compact_at {
             heap.entries.retain(|d| d.slot.due.load(Ordering::Relaxed) == d.at);
             heap.compact_at = 2 * heap.entries.len() + SLACK;
@@ -77,29 +104,43 @@ impl Schedule {
         self.wanted.lock().push(slot.clone());
     }
 
-    /// When the earliest entry falls due, if any (it may be stale).
-    pub(super) fn next(&self) -> Option<Nanos> {
-        self.heap.lock().entries.peek().map(|d| d.at)
+    /// When the next round is to come, after one at `now` that took what was due
+    /// within `early` of it: at the earliest key's time less `early` (it may come
+    /// early), but not before `now + early`; at an exact key's own time. `None`: no
+    /// key is scheduled.
+    pub(super) fn next(&self, now: Nanos, early: Nanos) -> Option<Nanos> {
+        self.heap
+            .lock()
+            .entries
+            .peek()
+            .map(|d| if d.exact { d.at } else { d.at.saturating_sub(early).max(now + early) })
     }
 
-    /// The keys that ran low and those due by `by`, at most `max` of the latter, each
-    /// once; their due times are cleared.
-    pub(super) fn take_due(&self, by: Nanos, max: usize) -> Vec<Arc<Slot>> {
+    /// The keys that ran low and those due by `now + early` (an exact key: by `now`),
+    /// at most `max` of the latter, each once; their due times are cleared.
+    pub(super) fn take_due(&self, now: Nanos, early: Nanos, max: usize) -> Vec<Arc<Slot>> {
         let mut out = std::mem::take(&mut *self.wanted.lock());
         let mut heap = self.heap.lock();
         let mut taken = 0;
+        let mut not_yet = Vec::new();
         while taken < max {
             match heap.entries.peek() {
-                Some(d) if d.at <= by => {}
+                Some(d) if d.at <= now + early => {}
                 _ => break,
             }
             let d = heap.entries.pop().expect("peeked");
-            if d.slot.due.load(Ordering::Relaxed) == d.at {
-                d.slot.due.store(0, Ordering::Relaxed);
-                out.push(d.slot);
-                taken += 1;
+            if d.slot.due.load(Ordering::Relaxed) != d.at {
+                continue;
             }
+            if d.exact && d.at > now {
+                not_yet.push(d);
+                continue;
+            }
+            d.slot.due.store(0, Ordering::Relaxed);
+            out.push(d.slot);
+            taken += 1;
         }
+        heap.entries.extend(not_yet);
         drop(heap);
         out.sort_unstable_by_key(|s| Arc::as_ptr(s) as usize);
         out.dedup_by(|a, b| Arc::ptr_eq(a, b));
@@ -122,26 +163,48 @@ mod tests {
         let keys: Vec<_> = (0..10).map(|_| slot()).collect();
         for i in 0..100_000u64 {
             let k = &keys[(i % 10) as usize];
-            s.at(k, 1_000_000 + i);
+            s.at(k, When::by(1_000_000 + i));
         }
         let held = s.heap.lock().entries.len();
         assert!(held <= 2 * 10 + SLACK + 1, "{held} entries for 10 keys");
         // Each key once, at its last time.
-        let due = s.take_due(Nanos::MAX, usize::MAX);
+        let due = s.take_due(Nanos::MAX / 2, 0, usize::MAX);
         assert_eq!(due.len(), 10);
-        assert!(s.next().is_none());
+        assert!(s.next(0, 0).is_none());
     }
 
     #[test]
     fn keys_come_due_in_order_and_stale_times_are_skipped() {
         let s = Schedule::default();
         let (a, b) = (slot(), slot());
-        s.at(&a, 30);
-        s.at(&b, 20);
-        s.at(&a, 10);
-        let first = s.take_due(15, usize::MAX);
+        s.at(&a, When::by(30));
+        s.at(&b, When::by(20));
+        s.at(&a, When::by(10));
+        let first = s.take_due(15, 0, usize::MAX);
         assert!(first.len() == 1 && Arc::ptr_eq(&first[0], &a));
-        assert!(s.take_due(25, usize::MAX).iter().all(|x| Arc::ptr_eq(x, &b)));
-        assert!(s.take_due(100, usize::MAX).is_empty(), "a's time 30 was stale");
+        assert!(s.take_due(25, 0, usize::MAX).iter().all(|x| Arc::ptr_eq(x, &b)));
+        assert!(s.take_due(100, 0, usize::MAX).is_empty(), "a's time 30 was stale");
+    }
+
+    #[test]
+    fn keys_due_soon_share_a_round_and_exact_keys_wait_for_their_time() {
+        let s = Schedule::default();
+        let (a, b, c, d) = (slot(), slot(), slot(), slot());
+        s.at(&a, When::by(100));
+        s.at(&b, When::by(140));
+        s.at(&c, When::at(120));
+        s.at(&d, When::by(300));
+        // A round at 100 that may renew 50 early takes a and b, not c (exact) nor d.
+        let round = s.take_due(100, 50, usize::MAX);
+        assert_eq!(round.len(), 2);
+        assert!(
+            round.iter().any(|x| Arc::ptr_eq(x, &a)) && round.iter().any(|x| Arc::ptr_eq(x, &b))
+        );
+        assert_eq!(s.next(100, 50), Some(120), "the exact key at its own time");
+        assert!(s.take_due(120, 50, usize::MAX).iter().all(|x| Arc::ptr_eq(x, &c)));
+        // d may come 50 early (at 250), and rounds are at least 50 apart.
+        assert_eq!(s.next(120, 50), Some(250));
+        assert_eq!(s.take_due(250, 50, usize::MAX).len(), 1);
+        assert!(s.next(250, 50).is_none());
     }
 }

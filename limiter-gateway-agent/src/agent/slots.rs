@@ -88,6 +88,8 @@ pub(super) struct LeaseState {
     pub(super) denied: Option<Box<Refusal<Outcome>>>,
     /// The current grant ends with a window: renewed once the next has begun.
     pub(super) window_end: bool,
+    /// The last grant was less than asked (the owner divides near the limit).
+    pub(super) cut: bool,
 }
 
 /// A key idle this many times `idle_after`, holding nothing, is forgotten.

@@ -12,6 +12,13 @@ pub(super) fn nanos(d: Duration) -> Nanos {
     u64::try_from(d.as_nanos()).unwrap_or(u64::MAX)
 }
 
+pub(super) fn duration(n: Nanos) -> prost_types::Duration {
+    prost_types::Duration {
+        seconds: i64::try_from(n / NANOS_PER_SEC).unwrap_or(i64::MAX),
+        nanos: i32::try_from(n % NANOS_PER_SEC).unwrap_or(0),
+    }
+}
+
 pub(super) fn duration_nanos(d: Option<&prost_types::Duration>) -> Nanos {
     d.map_or(0, |d| {
         u64::try_from(d.seconds)

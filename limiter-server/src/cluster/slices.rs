@@ -421,6 +421,7 @@ impl Cluster {
             level: convert::scope(key.0).into(),
             local_permits: false,
             share_class: key.2.to_string(),
+            renews_within: None,
         };
         let req = pb::LeaseRequest {
             agent_id: format!("node:{}", self.me.id),

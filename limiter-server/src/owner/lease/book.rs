@@ -252,9 +252,16 @@ impl Leases {
             return None;
         }
         let me = e.holders.iter().find(|a| a.holder == holder)?;
+        // Only holders that asked lately compete: near the limit a live holder asks
+        // every round, and one gone quiet (dead, or idle) must not keep a share the
+        // others are held back for.
+        let competing = || e.holders.iter().filter(|a| now.saturating_sub(a.seen) < NEAR_FOR);
+        if competing().count() < 2 {
+            return None;
+        }
         #[allow(clippy::cast_precision_loss)] // unit counts, compared
-        let fair = me.cap as f64 / e.holders.iter().map(|a| a.cap as f64).sum::<f64>();
-        let total: f64 = e.holders.iter().map(|a| a.granted_at(now)).sum();
+        let fair = me.cap as f64 / competing().map(|a| a.cap as f64).sum::<f64>();
+        let total: f64 = competing().map(|a| a.granted_at(now)).sum();
         // A fiftieth of its share of slack: holders about at their share are not
         // held back (units kept in the bucket wait for a holder that may come late).
         let over = me.granted_at(now) - fair * total;

@@ -229,18 +229,16 @@ impl Inner {
     }
 
     /// Units to ask for: two rounds of the renewer (one `renew_interval`) and the
-    /// owner's latency of demand, at least `cost`; with room for its swings
-    /// ([`with_swings`]) unless the key's last grant was cut short (near the limit
-    /// the owner divides in proportion to the asks, which must then be in proportion
-    /// to demand).
+    /// owner's latency of demand with room for its swings ([`with_swings`]), at
+    /// least `cost`; a second of demand when the key's last grant was cut short (near
+    /// the limit the owner divides in proportion to the asks, which must then be in
+    /// proportion to demand; the share, not the ask, bounds the grant).
     pub(super) fn want(&self, st: &LeaseState, demand_per_sec: u64, cost: u64) -> u64 {
         let span = nanos(self.config.renew_interval) + self.rtt.load(Ordering::Relaxed);
         if st.cut {
-            // Rounded up: truncated, a small holder's ask would shrink against a
-            // large one's (1.75 units asked as 1 against 18.25 as 18).
-            let units = (u128::from(demand_per_sec) * u128::from(span))
-                .div_ceil(u128::from(limiter_core::clock::NANOS_PER_SEC));
-            u64::try_from(units).unwrap_or(u64::MAX).max(cost).max(1)
+            // A second of demand: over a round's span a small holder's ask rounds
+            // far from its demand's part (1.8 units asked as 2 or 1 against 18).
+            demand_per_sec.max(cost).max(1)
         } else {
             with_swings(demand_per_sec, span).max(cost)
         }
@@ -435,7 +433,9 @@ impl Inner {
         {
             let source = if waited { Source::Owner } else { Source::Local };
             let o = Outcome { retry_after: wait, source, ..r.detail.clone() };
-            self.stats[REFUSED].fetch_add(1, Ordering::Relaxed);
+            if !waited {
+                self.stats[REFUSED].fetch_add(1, Ordering::Relaxed);
+            }
             // Refused units are demand too: the next renewal asks for them.
             st.demand.spend(cost);
             return Ok(o);

@@ -379,7 +379,11 @@ impl Owner {
             if g.units < ask.cap() {
                 self.leases().cut(cid, now);
                 let missing = ask.cap() - g.units;
-                grant.decision = if g.units >= ROUND_SHARE && renewal.shares.active > 1 {
+                // Not where a level is divided among nodes: what this node holds of
+                // it is its slice, topped up from the root owner between rounds, so a
+                // grant cut by the slice says little of the level's budget.
+                let split = g.units >= ROUND_SHARE && renewal.shares.active > 1;
+                grant.decision = if split && slices.is_empty() {
                     self.cut_short(&chain, now, missing, item, g.hold)
                 } else {
                     self.shortfall(&chain, now, missing)

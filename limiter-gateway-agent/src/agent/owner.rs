@@ -230,22 +230,17 @@ impl Inner {
 
     /// Units to ask for: two rounds of the renewer (one `renew_interval`) and the
     /// owner's latency of demand with room for its swings ([`with_swings`]), at
-    /// least `cost`; when the key's last grant was cut short, twice its demand over
-    /// the span without the room (near the limit the owner divides in proportion to
-    /// the asks, which must then be in proportion to demand).
+    /// least `cost`; when the key's last grant was cut short, its demand over two
+    /// spans without the room (near the limit the owner divides in proportion to the
+    /// asks, which must then be in proportion to demand).
     pub(super) fn want(&self, st: &LeaseState, demand_per_sec: u64, cost: u64) -> u64 {
         let span = nanos(self.config.renew_interval) + self.rtt.load(Ordering::Relaxed);
         if st.cut {
-            // Its demand over two spans, the fraction rounded up with its probability
-            // (a draw from the clock): over one span, always rounded, a small
-            // holder's ask was far from its demand's part (1.8 units asked as 2, or
-            // 1, against 18); a second of demand made nodes hold slices of a divided
-            // level their agents did not spend (the cluster ceiling test's floor).
-            let milli = u128::from(demand_per_sec) * u128::from(2 * span) / 1_000_000;
-            let (whole, part) = (milli / 1_000, milli % 1_000);
-            let draw = u128::from(mix(self.clock.now()) % 1_000);
-            let units = whole + u128::from(draw < part);
-            u64::try_from(units).unwrap_or(u64::MAX).max(cost).max(1)
+            // Its demand over two spans, rounded down (as asks were before rounds):
+            // asking more (a second of demand, or the fraction paid with its
+            // probability) made nodes hold slices of a divided level their agents
+            // did not spend (the cluster ceiling test's floor).
+            limiter_core::holder::want(demand_per_sec, 2 * span, cost, u64::MAX)
         } else {
             with_swings(demand_per_sec, span).max(cost)
         }
@@ -530,14 +525,6 @@ fn with_swings(demand_per_sec: u64, span: Nanos) -> u64 {
     #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
     let units = units as u64;
     units
-}
-
-/// A well-mixed draw from `x` (splitmix64's finaliser).
-fn mix(x: u64) -> u64 {
-    let mut z = x.wrapping_add(0x9e37_79b9_7f4a_7c15);
-    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-    z ^ (z >> 31)
 }
 
 /// Whether `o` is a refusal by one of the policy's limits.

@@ -15,7 +15,9 @@ pub struct AgentConfig {
     pub agent_id: String,
     /// Deadline of one call to the owner.
     pub rpc_timeout: Duration,
-    /// How often the background task looks for keys to renew (jittered by ±10%).
+    /// The renewal period: the background task runs a round every half of it
+    /// (jittered by ±10%), grants are sized to it, and a rationed key is renewed at
+    /// least this often while used.
     pub renew_interval: Duration,
     /// A lease is given up this fraction of its hold early (on top of counting from
     /// when the request was sent), so the agent always stops before the owner.

@@ -4,10 +4,10 @@
 //! entry, looked at when its idleness is due to be checked.
 //!
 //! Most keys may be renewed early (their lead covers it): a round takes every key due
-//! within the next half round, so that keys due at scattered instants share one call
-//! and rounds come at most twice a round's interval. A key whose renewal must not come
-//! early (a grant that ends with a window, renewed once the next window has begun; a
-//! hold shorter than a round) is taken only once its time has come.
+//! before the next round, so that keys due at scattered instants share one call and
+//! rounds come no more often than every half `renew_interval`. A key whose renewal
+//! must not come early (a grant that ends with a window, renewed once the next window
+//! has begun; a hold shorter than a round) is taken only once its time has come.
 
 use std::cmp::Ordering as Order;
 use std::collections::BinaryHeap;

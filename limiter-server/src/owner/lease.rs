@@ -585,11 +585,6 @@ impl Owner {
         self.named(chain, decision, now)
     }
 
-    /// Why a grant fell `missing` units short of what its holder asked for near the
-    /// limit, once nothing is left: the binding limit and when the missing units would
-    /// fit (dry runs), for the holder to refuse with once its grant is spent. Nothing
-    /// while a unit is left (the holder's next request may have it), or where no dry
-    /// run can tell (Redis).
     /// What a grant of at least [`ROUND_SHARE`] units cut `missing` units short of
     /// its ask says: the limit that cut it ([`Self::shortfall`]); and, to a holder
     /// that renews every round (its `renews_within`, at most the grant's `hold`),
@@ -612,6 +607,11 @@ impl Owner {
         Some(until_renewal(d, item, hold))
     }
 
+    /// Why a grant fell `missing` units short of what its holder asked for near the
+    /// limit, once nothing is left: the binding limit and when the missing units would
+    /// fit (dry runs), for the holder to refuse with once its grant is spent. Nothing
+    /// while a unit is left (the holder's next request may have it), or where no dry
+    /// run can tell (Redis).
     fn shortfall(
         &self,
         chain: &Chain<'_>,
@@ -682,18 +682,15 @@ impl Owner {
     }
 }
 
-/// Whether a grant held for `hold` from `now` ends with a window of one of `chain`'s
-/// levels (a fixed window's or a sliding counter's end cut it).
 /// The smallest share of a round that a cut grant makes a holder refuse with until
 /// its next renewal (when the chain has other holders: a sole holder's cut grant is
 /// the half of what is left kept back, which it may have for the asking). A smaller
-/// share (a limit split among many holders, a few units
-/// each a round) is too small to split by rounds: the units one holder leaves
-/// unspent in its round are a large part of what the others could have used, so the
-/// holder asks again for each request once the owner's wait is over (measured: the
+/// share (a limit split among many holders, a few units each a round) is too small
+/// to split by rounds: the units one holder leaves unspent in its round are a large
+/// part of what the others could have used, so the holder asks again for each request once the owner's wait is over (measured: the
 /// agents' accuracy test's token buckets of 150/s among ten agents, two units each a
 /// round, used 95.0% of what the reference admits with rounds, under its 97% floor).
-pub(crate) const ROUND_SHARE: u64 = 4;
+const ROUND_SHARE: u64 = 4;
 
 /// How soon `item`'s holder asks again for its key (its `renews_within`), at most
 /// `hold`; 0 when it did not say.
@@ -713,6 +710,8 @@ fn until_renewal(
     d
 }
 
+/// Whether a grant held for `hold` from `now` ends with a window of one of `chain`'s
+/// levels (a fixed window's or a sliding counter's end cut it).
 fn ends_with_window(chain: &Chain<'_>, now: Nanos, hold: Nanos) -> bool {
     chain.levels().any(|l| {
         matches!(*l.rule.limit, Limit::FixedWindow(_) | Limit::SlidingCounter(_))

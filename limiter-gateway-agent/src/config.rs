@@ -55,6 +55,10 @@ pub struct AgentConfig {
     /// The most permits one block asks for (blocks grow by doubling up to this; a
     /// block a pool does not need goes back at its next renewal).
     pub max_permit_block: u32,
+    /// The most items one lease call carries: the owner's `limits.max_batch` (100 by
+    /// default; a call above it is refused whole). A round with more keys due sends
+    /// them in several calls at once.
+    pub max_items: usize,
 }
 
 impl AgentConfig {
@@ -77,6 +81,7 @@ impl AgentConfig {
             refusal_cap: Duration::from_millis(250),
             local_permits: true,
             max_permit_block: 8,
+            max_items: 100,
         }
     }
 

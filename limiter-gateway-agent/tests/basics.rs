@@ -84,6 +84,41 @@ async fn at_steady_demand_nearly_every_decision_is_local() {
     assert!(local / decisions >= 0.99, "{s:?}");
 }
 
+/// More keys fall due in a round than the owner takes items in one call (its
+/// `limits.max_batch`, 100 by default): the round goes out in several calls of at most
+/// that many, every renewal lands, and the keys stay local.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_round_with_more_keys_due_than_one_call_takes_renews_them_all() {
+    let clock: Arc<dyn Clock> = Arc::new(MonotonicClock::new());
+    let owner = Owner::start(POLICY, clock.clone()).await;
+    let a = agent(&owner.url(), "a5", clock.clone());
+    // 350 keys at 10 requests per second each: one second to warm up, two measured.
+    let keys: Vec<String> = (0..350).map(|i| format!("k{i}")).collect();
+    let mut tick = tokio::time::interval(Duration::from_millis(100));
+    let mut warm = None;
+    for round in 0..30 {
+        if round == 10 {
+            warm = Some(a.stats());
+        }
+        tick.tick().await;
+        for k in &keys {
+            let o = a.decide(&AgentRequest { key: Some(k), ..req("busy", "/r") }).await.unwrap();
+            assert!(o.allowed);
+        }
+    }
+    let (w, s) = (warm.unwrap(), a.stats());
+    let local = (s.local - w.local) as f64;
+    let decisions = local + (s.slow - w.slow) as f64;
+    let (calls, items) = (s.owner_calls - w.owner_calls, s.owner_items - w.owner_items);
+    println!(
+        "350 keys: {decisions} decisions, {:.2}% local, {calls} calls carrying {items} items",
+        local * 100.0 / decisions
+    );
+    assert!(items > 350, "the keys were renewed: {s:?}");
+    assert!(items <= 100 * calls, "no call above the owner's 100 items: {s:?}");
+    assert!(local / decisions >= 0.99, "{s:?}");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn exact_routes_ask_the_owner_for_every_request() {
     let clock: Arc<dyn Clock> = Arc::new(MonotonicClock::new());

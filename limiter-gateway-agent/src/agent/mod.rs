@@ -29,6 +29,7 @@ mod wire;
 pub use self::answer::{
     AgentRequest, AgentStats, LimitInfo, Outcome, Permit, REFUSAL_CAP_SHARE, Source,
 };
+use self::clock::AgentClock;
 pub use self::clock::FastClock;
 pub use self::permits::{HandlePermit, LocalPermit, PermitHandle};
 use self::renew::*;
@@ -38,7 +39,7 @@ use self::wire::*;
 
 struct Inner {
     config: AgentConfig,
-    clock: Arc<dyn Clock>,
+    clock: AgentClock,
     client: RateLimiterClient<AuthChannel>,
     slots: Slots,
     breaker: Breaker,
@@ -102,7 +103,7 @@ impl Agent {
     ///
     /// An invalid owner endpoint.
     pub fn new(config: AgentConfig) -> Result<Self, AgentError> {
-        Self::with_clock(config, Arc::new(FastClock::default()))
+        Self::start(config, AgentClock::Fast(FastClock::default()))
     }
 
     /// Like [`Agent::new`] with a given clock. Must be called within a tokio runtime.
@@ -111,6 +112,10 @@ impl Agent {
     ///
     /// An invalid owner endpoint.
     pub fn with_clock(config: AgentConfig, clock: Arc<dyn Clock>) -> Result<Self, AgentError> {
+        Self::start(config, AgentClock::Given(clock))
+    }
+
+    fn start(config: AgentConfig, clock: AgentClock) -> Result<Self, AgentError> {
         let timeout = config.rpc_timeout;
         let channel = config
             .security

@@ -5,7 +5,9 @@
 //! timed and counted: a miss (a lease running out) stops the clock while the agent
 //! refills it, and is not one of the iterations (the figure is the cost of a hit).
 //! Both read the time-stamp counter through `quanta`: the agent its production clock
-//! (`Agent::new`), governor its default clock.
+//! (`Agent::new`), governor its default clock. `agent_amortised` (one thread) times
+//! every decision, a miss's slow path included; the renewer's calls run on the
+//! runtime's worker beside it, and the closing line counts them.
 //!
 //! Run: `cargo bench -p limiter-gateway-agent --bench local_decision`
 
@@ -70,6 +72,25 @@ fn run_agent(
     })
 }
 
+/// Times `iters` decisions on one thread, misses included: a hit from the balance,
+/// a miss through the agent's slow path (a renewal out, or an owner call) on the clock.
+fn run_agent_amortised(
+    rt: &tokio::runtime::Runtime,
+    agent: &Agent,
+    keys: &[String],
+    iters: u64,
+) -> Duration {
+    #[allow(clippy::disallowed_methods)] // measuring wall time
+    let start = Instant::now();
+    for i in 0..iters as usize {
+        let req = AgentRequest { tenant: "t", route: "/r", key: Some(&keys[i % KEYS]), cost: 1 };
+        if black_box(agent.spend_local(&req)).is_none() {
+            black_box(rt.block_on(agent.decide(&req)).unwrap());
+        }
+    }
+    start.elapsed()
+}
+
 fn run_governor<F: Fn(usize) -> bool + Sync>(threads: usize, iters: u64, check: F) -> Duration {
     common::slowest(threads, |t| {
         #[allow(clippy::disallowed_methods)] // measuring wall time
@@ -100,6 +121,11 @@ fn bench(c: &mut Criterion) {
         g.bench_function("agent_lease_hit", |b| {
             b.iter_custom(|iters| run_agent(rt, agent, &keys, threads, iters));
         });
+        if threads == 1 {
+            g.bench_function("agent_amortised", |b| {
+                b.iter_custom(|iters| run_agent_amortised(rt, agent, &keys, iters));
+            });
+        }
         g.bench_function("governor_keyed", |b| {
             b.iter_custom(|iters| {
                 run_governor(threads, iters, |i| gov.check_key(&keys[i]).is_ok())

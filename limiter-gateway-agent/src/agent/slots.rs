@@ -45,12 +45,42 @@ pub(super) struct SlotRef<'a> {
 }
 
 impl SlotRef<'_> {
+    /// Whether `k` names this key: the three lengths, then the bytes of each part
+    /// (short parts compared in a few word loads, without a call to `memcmp`).
+    #[inline(always)]
     pub(super) fn matches(&self, k: &SlotKey) -> bool {
-        k.tenant_len as usize == self.tenant.len()
-            && k.route_len as usize == self.route.len()
-            && k.text.len() == self.tenant.len() + self.route.len() + self.key.len()
-            && k.parts() == (self.tenant, self.route, self.key)
+        let (t, r) = (self.tenant.len(), self.route.len());
+        let text = k.text.as_bytes();
+        k.tenant_len as usize == t
+            && k.route_len as usize == r
+            && text.len() == t + r + self.key.len()
+            && same(&text[..t], self.tenant.as_bytes())
+            && same(&text[t..t + r], self.route.as_bytes())
+            && same(&text[t + r..], self.key.as_bytes())
     }
+}
+
+/// Whether two byte strings of the same length are equal. Up to 16 bytes: two loads
+/// of each (overlapping when shorter than twice the load), compared as integers.
+#[inline(always)]
+fn same(a: &[u8], b: &[u8]) -> bool {
+    debug_assert_eq!(a.len(), b.len());
+    let n = a.len();
+    if n > 16 || n != b.len() {
+        return a == b;
+    }
+    if n >= 8 {
+        let w =
+            |s: &[u8], at: usize| u64::from_ne_bytes(s[at..at + 8].try_into().unwrap_or([0; 8]));
+        return w(a, 0) == w(b, 0) && w(a, n - 8) == w(b, n - 8);
+    }
+    if n >= 4 {
+        let w =
+            |s: &[u8], at: usize| u32::from_ne_bytes(s[at..at + 4].try_into().unwrap_or([0; 4]));
+        return w(a, 0) == w(b, 0) && w(a, n - 4) == w(b, n - 4);
+    }
+    // 0 to 3 bytes: the first, the middle and the last are all of them.
+    n == 0 || (a[0] == b[0] && a[n / 2] == b[n / 2] && a[n - 1] == b[n - 1])
 }
 
 impl SlotKey {
@@ -103,6 +133,36 @@ impl LeaseState {
         self.demand.spend(self.counted.saturating_sub(units) + more);
         self.counted = units;
         self.demand.update(now)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Keys that differ in one byte anywhere (any part, any length up to past the
+    /// word loads), or only in where one part ends, never match.
+    #[test]
+    fn a_key_matches_only_itself() {
+        for n in 0..40 {
+            let key: String = (0..n).map(|i| char::from(b'a' + (i % 26) as u8)).collect();
+            let k = SlotKey::new("tenant", "/route", &key);
+            let same = SlotRef { tenant: "tenant", route: "/route", key: &key };
+            assert!(same.matches(&k), "{n}");
+            for at in 0..n {
+                let mut other = key.clone().into_bytes();
+                other[at] = b'Z';
+                let other = String::from_utf8(other).unwrap();
+                let r = SlotRef { tenant: "tenant", route: "/route", key: &other };
+                assert!(!r.matches(&k), "{n} at {at}");
+                let t = SlotKey::new(&other, "/route", "k");
+                let r = SlotRef { tenant: &key, route: "/route", key: "k" };
+                assert!(!r.matches(&t), "tenant {n} at {at}");
+            }
+        }
+        let k = SlotKey::new("ab", "c", "d");
+        assert!(!SlotRef { tenant: "a", route: "bc", key: "d" }.matches(&k));
+        assert!(!SlotRef { tenant: "ab", route: "", key: "cd" }.matches(&k));
     }
 }
 

@@ -119,6 +119,51 @@ async fn a_round_with_more_keys_due_than_one_call_takes_renews_them_all() {
     assert!(local / decisions >= 0.99, "{s:?}");
 }
 
+/// A key idle past `idle_after` gives its lease back and sheds its slow-path state
+/// (an idle key costs its slot alone); used again, it leases afresh and decides
+/// locally, and every unit is accounted for at the owner.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_idle_key_gives_back_and_sheds_its_state_then_leases_afresh() {
+    let clock: Arc<dyn Clock> = Arc::new(MonotonicClock::new());
+    let owner = Owner::start(POLICY, clock.clone()).await;
+    let mut config =
+        AgentConfig::new(owner.url(), "a6").with_rpc_timeout(Duration::from_millis(500));
+    config.idle_after = Duration::from_millis(300);
+    let a = Agent::with_clock(config, clock.clone()).unwrap();
+    let keys: Vec<String> = (0..20).map(|i| format!("k{i}")).collect();
+    fn ask(k: &str) -> AgentRequest<'_> {
+        AgentRequest { key: Some(k), ..req("busy", "/r") }
+    }
+    for k in &keys {
+        assert!(a.decide(&ask(k)).await.unwrap().allowed);
+    }
+    assert_eq!(a.key_counts(), (20, 20));
+    assert!(owner.server.leases().totals().outstanding > 0);
+    let mut shed = false;
+    for _ in 0..50 {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        if a.key_counts() == (20, 0) {
+            shed = true;
+            break;
+        }
+    }
+    assert!(shed, "idle keys still carry their state: {:?}", a.key_counts());
+    assert_eq!(owner.server.leases().totals().outstanding, 0, "every lease went back");
+    let before = a.stats();
+    for _ in 0..3 {
+        for k in &keys {
+            assert!(a.decide(&ask(k)).await.unwrap().allowed);
+        }
+    }
+    let after = a.stats();
+    assert_eq!(a.key_counts(), (20, 20));
+    assert!(after.local - before.local >= 40, "leased afresh, then local: {after:?}");
+    a.shutdown().await;
+    let t = owner.server.leases().totals();
+    assert_eq!(t.outstanding, 0);
+    assert_eq!(t.granted, t.spent + t.returned + t.written_off, "{t:?}");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn exact_routes_ask_the_owner_for_every_request() {
     let clock: Arc<dyn Clock> = Arc::new(MonotonicClock::new());

@@ -446,9 +446,9 @@ impl Inner {
     pub(super) async fn slow(&self, slot: &Arc<Slot>, cost: u64) -> Result<Outcome, AgentError> {
         // A request that waits here for another's owner call (a renewal out with the
         // balance spent) is not decided locally, whatever the call brings.
-        let (mut st, waited) = match slot.lease.try_lock() {
-            Ok(st) => (st, false),
-            Err(_) => (slot.lease.lock().await, true),
+        let (mut st, waited) = match slot.try_lease() {
+            Some(st) => (st, false),
+            None => (slot.lease().await, true),
         };
         let now = self.clock.now();
         slot.balance.touch(now);

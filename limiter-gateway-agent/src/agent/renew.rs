@@ -103,7 +103,7 @@ pub(super) async fn renew_due(inner: &Inner) -> Option<Nanos> {
     // the replaced lease that item settles (kept if the call fails).
     let mut work = Vec::new();
     for slot in &slots {
-        let Ok(mut st) = slot.lease.try_lock() else {
+        let Some(mut st) = slot.try_lease() else {
             // Its own call is out: looked at again next round.
             inner.schedule.at(slot, When::by(now + interval));
             continue;
@@ -120,6 +120,8 @@ pub(super) async fn renew_due(inner: &Inner) -> Option<Nanos> {
                 forgotten.push(slot.clone());
             } else {
                 inner.schedule.at(slot, inner.next_due(slot, &st, now));
+                drop(st);
+                shed_if_idle(inner, slot, now);
             }
             continue;
         }
@@ -165,11 +167,16 @@ pub(super) async fn renew_due(inner: &Inner) -> Option<Nanos> {
     match answer {
         Ok(grants) => {
             for (slot, mut st, renewal) in work {
+                let gave_back = renewal.is_none();
                 if let Some((g, want)) = renewal.and_then(|(i, w)| Some((grants.get(i)?, w))) {
                     st.cut = g.units < want;
                     inner.renewed(slot, &mut st, g, now);
                 }
                 inner.schedule.at(slot, inner.next_due(slot, &st, back));
+                drop(st);
+                if gave_back {
+                    shed_if_idle(inner, slot, back);
+                }
             }
         }
         Err(_) => {
@@ -181,6 +188,16 @@ pub(super) async fn renew_due(inner: &Inner) -> Option<Nanos> {
         }
     }
     inner.schedule.next(now, early)
+}
+
+/// Drops the slow-path state of a key that gave its lease back and is idle at `now`
+/// (holding nothing, refused nothing): an idle key costs its slot alone until it is
+/// used again (a new state then, its first grant sized like a new key's) or forgotten.
+fn shed_if_idle(inner: &Inner, slot: &Slot, now: Nanos) {
+    let idle_after = nanos(inner.config.idle_after);
+    if now.saturating_sub(slot.balance.last_used()) > idle_after && slot.balance.units() == 0 {
+        slot.shed(|st| st.lease_id == 0 && st.denied.is_none());
+    }
 }
 
 impl Inner {

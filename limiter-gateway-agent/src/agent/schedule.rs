@@ -19,13 +19,23 @@ use parking_lot::Mutex;
 
 use super::slots::Slot;
 
-/// One entry: `slot` is due at `at` (stale when the slot has been given another time
-/// since).
+/// One entry: `slot` is due at a time, perhaps exactly (stale when the slot has been
+/// given another time since). 16 bytes: the time and the flag share a word.
 struct Due {
-    at: Nanos,
-    /// Not to be taken before `at`.
-    exact: bool,
+    /// The time shifted left by one, and 1 when the key is not to be taken before it
+    /// (what the slot's `due` holds while this entry counts).
+    packed: u64,
     slot: Arc<Slot>,
+}
+
+impl Due {
+    fn at(&self) -> Nanos {
+        self.packed >> 1
+    }
+
+    fn exact(&self) -> bool {
+        self.packed & 1 == 1
+    }
 }
 
 /// When a key falls due next, and whether it may be taken early.
@@ -49,7 +59,7 @@ impl When {
 
 impl PartialEq for Due {
     fn eq(&self, other: &Self) -> bool {
-        self.at == other.at
+        self.packed == other.packed
     }
 }
 
@@ -64,7 +74,7 @@ impl PartialOrd for Due {
 impl Ord for Due {
     // The earliest first (`BinaryHeap` is a max-heap).
     fn cmp(&self, other: &Self) -> Order {
-        other.at.cmp(&self.at)
+        other.packed.cmp(&self.packed)
     }
 }
 
@@ -89,12 +99,12 @@ const SLACK: usize = 1_024;
 impl Schedule {
     /// `slot` is next due `when` (any earlier time it had no longer counts).
     pub(super) fn at(&self, slot: &Arc<Slot>, when: When) {
-        let at = when.at.max(1);
-        slot.due.store(at, Ordering::Relaxed);
+        let packed = (when.at.clamp(1, Nanos::MAX >> 1) << 1) | u64::from(when.exact);
+        slot.due.store(packed, Ordering::Relaxed);
         let mut heap = self.heap.lock();
-        heap.entries.push(Due { at, exact: when.exact, slot: slot.clone() });
+        heap.entries.push(Due { packed, slot: slot.clone() });
         if heap.entries.len() > heap.compact_at {
-            heap.entries.retain(|d| d.slot.due.load(Ordering::Relaxed) == d.at);
+            heap.entries.retain(|d| d.slot.due.load(Ordering::Relaxed) == d.packed);
             heap.compact_at = 2 * heap.entries.len() + SLACK;
         }
     }
@@ -113,7 +123,7 @@ impl Schedule {
             .lock()
             .entries
             .peek()
-            .map(|d| if d.exact { d.at } else { d.at.saturating_sub(early).max(now + early) })
+            .map(|d| if d.exact() { d.at() } else { d.at().saturating_sub(early).max(now + early) })
     }
 
     /// The keys that ran low and those due by `now + early` (an exact key: by `now`),
@@ -125,14 +135,14 @@ impl Schedule {
         let mut not_yet = Vec::new();
         while taken < max {
             match heap.entries.peek() {
-                Some(d) if d.at <= now + early => {}
+                Some(d) if d.at() <= now + early => {}
                 _ => break,
             }
             let d = heap.entries.pop().expect("peeked");
-            if d.slot.due.load(Ordering::Relaxed) != d.at {
+            if d.slot.due.load(Ordering::Relaxed) != d.packed {
                 continue;
             }
-            if d.exact && d.at > now {
+            if d.exact() && d.at() > now {
                 not_yet.push(d);
                 continue;
             }

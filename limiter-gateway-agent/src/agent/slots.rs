@@ -170,10 +170,12 @@ mod tests {
 pub(super) struct Slot {
     pub(super) balance: Balance,
     pub(super) key: SlotKey,
-    /// When the renewer is to look at the key next (the entry of the schedule that
-    /// counts; 0: none).
+    /// When the renewer is to look at the key next (the schedule's entry that counts,
+    /// its time and flag packed; 0: none).
     pub(super) due: AtomicU64,
-    pub(super) lease: tokio::sync::Mutex<LeaseState>,
+    /// The slow-path state, made on first use and dropped once the key holds nothing
+    /// and is idle (`shed`): an idle key does not carry it.
+    lease: parking_lot::Mutex<Option<Arc<LeaseCell>>>,
     /// The permits of the chain's concurrency levels held here (once the owner said
     /// the chain has some).
     pub(super) pool: std::sync::OnceLock<Box<super::permits::Pool>>,
@@ -186,13 +188,49 @@ impl Slot {
             key: SlotKey::new(tenant, route, key),
             balance: Balance::default(),
             due: AtomicU64::new(0),
-            lease: tokio::sync::Mutex::default(),
+            lease: parking_lot::Mutex::default(),
             pool: std::sync::OnceLock::new(),
         };
         slot.balance.touch(now);
         slot
     }
+
+    /// The key's slow-path state, made if it has none.
+    fn cell(&self) -> Arc<LeaseCell> {
+        self.lease.lock().get_or_insert_with(Arc::default).clone()
+    }
+
+    /// The key's slow-path state, once no one else holds it (one owner call per key
+    /// at a time).
+    pub(super) async fn lease(&self) -> LeaseGuard {
+        self.cell().lock_owned().await
+    }
+
+    /// The key's slow-path state, if no one else holds it.
+    pub(super) fn try_lease(&self) -> Option<LeaseGuard> {
+        self.cell().try_lock_owned().ok()
+    }
+
+    /// Drops the key's slow-path state if `idle` says it holds nothing worth keeping
+    /// and no one else has it (a request about to use it has a reference, and the
+    /// state stays). Returns whether it was dropped.
+    pub(super) fn shed(&self, idle: impl FnOnce(&LeaseState) -> bool) -> bool {
+        let mut cell = self.lease.lock();
+        let drop = cell
+            .as_ref()
+            .is_some_and(|c| Arc::strong_count(c) == 1 && c.try_lock().is_ok_and(|st| idle(&st)));
+        if drop {
+            *cell = None;
+        }
+        drop
+    }
 }
+
+/// A key's slow-path state behind its async lock (held across the owner call).
+pub(super) type LeaseCell = tokio::sync::Mutex<LeaseState>;
+
+/// A key's slow-path state, locked.
+pub(super) type LeaseGuard = tokio::sync::OwnedMutexGuard<LeaseState>;
 
 pub(super) type SlotMap = hashbrown::HashTable<Arc<Slot>>;
 
@@ -273,6 +311,14 @@ impl Slots {
 
     pub(super) fn all(&self) -> Vec<Arc<Slot>> {
         self.shards.iter().flat_map(|s| s.0.read().iter().cloned().collect::<Vec<_>>()).collect()
+    }
+
+    /// Keys held, and how many of them carry a slow-path state.
+    pub(super) fn counts(&self) -> (usize, usize) {
+        self.shards.iter().fold((0, 0), |(n, with), s| {
+            let map = s.0.read();
+            (n + map.len(), with + map.iter().filter(|x| x.lease.lock().is_some()).count())
+        })
     }
 
     /// Local decisions made so far, the forgotten keys' included.

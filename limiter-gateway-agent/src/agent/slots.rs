@@ -37,11 +37,22 @@ impl SlotKey {
 }
 
 /// The borrowed form a request looks a slot up with (no allocation).
-#[derive(Hash)]
 pub(super) struct SlotRef<'a> {
     pub(super) tenant: &'a str,
     pub(super) route: &'a str,
     pub(super) key: &'a str,
+}
+
+impl Hash for SlotRef<'_> {
+    /// The three parts' bytes and where the first two end, in one word (what a
+    /// terminator after each part would tell apart, in one write instead of three).
+    #[inline]
+    fn hash<H: std::hash::Hasher>(&self, state: &mut H) {
+        state.write(self.tenant.as_bytes());
+        state.write(self.route.as_bytes());
+        state.write(self.key.as_bytes());
+        state.write_u64(((self.tenant.len() as u64) << 32) ^ self.route.len() as u64);
+    }
 }
 
 impl SlotRef<'_> {

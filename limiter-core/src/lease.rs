@@ -222,36 +222,49 @@ pub struct Shares {
     /// with its probability, so a small holder's share is paid on average instead of
     /// being rounded to nothing on every grant.
     pub dice: u64,
+    /// The holders' reported demand (units a second): this holder's, and every active
+    /// holder's in all (this one's included). When both are known, the proportional
+    /// share follows them rather than the asks: an ask is a whole number of units
+    /// (a holder at 3.6 units a round asks 3, a tenth less than its part), a demand
+    /// is not rounded to the round. 0: unknown, the asks decide.
+    pub demand: (u64, u64),
 }
 
 /// The share of what is left one grant may take, for a holder asking `mine` (its cap,
 /// [`Ask::cap`]): everything asked while what is left covers every active holder's
 /// ask, else a part in proportion to what each asked (Doorman's proportional share),
 /// and never more than half of what is left, so no more than half the remaining
-/// budget can be stranded by one grant. The Redis store's `lease` script
-/// (`lua/chain.lua`) applies the same rule.
+/// budget can be stranded by one grant. Where every active holder reported its
+/// demand ([`Shares::demand`]), the part follows the demands instead of the asks.
+/// The Redis store's `lease` script (`lua/chain.lua`) applies the same rule with the
+/// asks (it is not given the demands).
 ///
 /// # Examples
 ///
 /// ```
 /// use limiter_core::lease::{Shares, share};
 /// // 100 left, this holder asks 30, the others 270 in all: a tenth (30 * 100 / 300).
-/// assert_eq!(share(100, 30, &Shares { active: 10, others: 270, dice: 0 }), 10);
+/// assert_eq!(share(100, 30, &Shares { active: 10, others: 270, dice: 0, demand: (0, 0) }), 10);
 /// // Plenty left: what was asked, within half of it.
-/// assert_eq!(share(1_000, 30, &Shares { active: 10, others: 270, dice: 0 }), 30);
+/// assert_eq!(share(1_000, 30, &Shares { active: 10, others: 270, dice: 0, demand: (0, 0) }), 30);
 /// ```
 pub fn share(remaining: u64, mine: u64, shares: &Shares) -> u64 {
     let total = mine.saturating_add(shares.others);
     let fair = if total <= remaining {
         mine
     } else {
-        let exact = u128::from(remaining) * u128::from(mine);
-        let whole = exact / u128::from(total.max(1));
-        let part = exact % u128::from(total.max(1));
+        // In proportion to demand where every holder's is known, else to the asks.
+        let (part_of, whole_of) = match shares.demand {
+            (d, all) if d > 0 && all >= d => (d, all),
+            _ => (mine, total),
+        };
+        let exact = u128::from(remaining) * u128::from(part_of);
+        let whole = exact / u128::from(whole_of.max(1));
+        let part = exact % u128::from(whole_of.max(1));
         // The fraction, paid with its probability (the dice's high 32 bits, as the
         // Redis script reads it).
-        let draw = (u128::from(shares.dice >> 32) * u128::from(total.max(1))) >> 32;
-        u64::try_from(whole + u128::from(draw < part)).unwrap_or(u64::MAX)
+        let draw = (u128::from(shares.dice >> 32) * u128::from(whole_of.max(1))) >> 32;
+        u64::try_from(whole + u128::from(draw < part)).unwrap_or(u64::MAX).min(mine)
     };
     fair.min(remaining / 2)
 }
@@ -354,10 +367,13 @@ mod grant_rule {
         let alone = Shares { active: 1, ..Shares::default() };
         // Half of what is left while it covers every ask.
         assert_eq!(grant_size(&busy, 4_000, &alone), 2_000);
-        assert_eq!(grant_size(&ask(), 4_000, &Shares { active: 3, others: 200, dice: 0 }), 100);
+        assert_eq!(
+            grant_size(&ask(), 4_000, &Shares { active: 3, others: 200, ..Shares::default() }),
+            100
+        );
         // Not enough for every ask: in proportion to them (1 of 1 + 4 asked).
         let small = Ask { want: 100, ..busy };
-        let crowd = Shares { active: 5, others: 400, dice: 0 };
+        let crowd = Shares { active: 5, others: 400, ..Shares::default() };
         assert_eq!(grant_size(&small, 400, &crowd), 80);
         // Never below the waiting request's cost, even when that is all there is.
         assert_eq!(grant_size(&Ask { cost: 3, ..ask() }, 3, &crowd), 3);
@@ -374,11 +390,25 @@ mod grant_rule {
         let mut paid = 0;
         for i in 0..3_000u64 {
             let dice = i.wrapping_mul(0x9e37_79b9_7f4a_7c15);
-            paid += share(10, 1, &Shares { active: 10, others: 29, dice });
+            paid += share(10, 1, &Shares { active: 10, others: 29, dice, ..Shares::default() });
         }
         assert!((900..=1_100).contains(&paid), "{paid} of 1000 expected");
-        assert_eq!(share(10, 1, &Shares { active: 2, others: 29, dice: u64::MAX }), 0, "a third");
-        assert_eq!(share(10, 1, &Shares { active: 2, others: 29, dice: 0 }), 1);
+        assert_eq!(
+            share(10, 1, &Shares { active: 2, others: 29, dice: u64::MAX, ..Shares::default() }),
+            0,
+            "a third"
+        );
+        assert_eq!(share(10, 1, &Shares { active: 2, others: 29, ..Shares::default() }), 1);
+        // Demand known: 100 left among asks of 3 and 192 (demands 7 and 393 a
+        // second) is divided by demand: 1.75 units, 1 or 2 by the dice, not the 1.54
+        // the asks say; never more than the ask.
+        let by_demand = |dice| Shares { active: 2, others: 192, dice, demand: (7, 400) };
+        assert_eq!(share(100, 3, &by_demand(u64::MAX)), 1);
+        assert_eq!(share(100, 3, &by_demand(0)), 2);
+        let paid: u64 = (0..1_000u64).map(|i| share(100, 3, &by_demand(i << 54))).sum();
+        assert!((1_700..=1_800).contains(&paid), "{paid}");
+        let big = Shares { active: 2, others: 192, dice: 0, demand: (300, 400) };
+        assert_eq!(share(100, 3, &big), 3, "at most the ask");
     }
 
     #[test]

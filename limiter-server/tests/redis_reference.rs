@@ -287,6 +287,8 @@ async fn the_lease_script_divides_what_is_left_as_the_grant_rule_does() {
             active: rng.range(1, 12),
             others: rng.range(0, 3 * limit),
             dice: rng.next_u64(),
+            // The script divides by the asks: compared with demands unknown.
+            demand: (0, 0),
         };
         near += u64::from(ask.cap() + shares.others > limit - spent);
         let renewal = Renewal { back: None, ask, shares };

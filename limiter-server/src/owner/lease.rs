@@ -14,7 +14,8 @@
 //!   demand can spend before the grant ends (a window's end), and at most half of what
 //!   is left, so no more than half the remaining budget can be stranded. When what is
 //!   left cannot cover what every active agent of the chain asked for, each gets a
-//!   part in proportion to its ask (`limiter_core::lease::share`); a grant cut short
+//!   part in proportion to its reported demand (to its ask where a holder reported
+//!   none; `limiter_core::lease::share`, and the Redis script by the asks); a grant cut short
 //!   carries the binding limit, so the agent refuses locally once it is spent, until
 //!   its next renewal.
 //! - Direct mode: when the chain's tightest capacity is less than two requests' cost
@@ -184,7 +185,7 @@ impl Owner {
             return Ok(grant);
         }
         if item.want == 0 && item.cost == 0 {
-            self.leases().shares(self.leases().chain_id(item), holder, 0, now);
+            self.leases().shares(self.leases().chain_id(item), holder, 0, 0, now);
             self.give_back(&chain, now, back).await?;
             return Ok(grant);
         }
@@ -276,7 +277,9 @@ impl Owner {
         let cid = self.leases().chain_id(item);
         let shares = match slice_of {
             Some(_) => Shares::default(),
-            None => self.leases().shares(cid, holder, ask.cap().max(ask.cost), now),
+            None => {
+                self.leases().shares(cid, holder, ask.cap().max(ask.cost), ask.demand_per_sec, now)
+            }
         };
         let renewal = Renewal { back, ask, shares };
         if slice_of.is_none()

@@ -33,6 +33,8 @@ const GRANTED_HALF_LIFE: Nanos = NANOS_PER_SEC;
 struct Asked {
     holder: u64,
     cap: u64,
+    /// Its reported demand, units a second (0: not reported).
+    demand: u64,
     seen: Nanos,
     /// Units granted, decayed by half every `GRANTED_HALF_LIFE` since `at`.
     granted: f64,
@@ -196,9 +198,16 @@ impl Leases {
     }
 
     /// Records that `holder` asks for `cap` units of `chain` at `now` (0: it gives its
-    /// lease back and asks nothing) and returns who else is asking: what the grant rule
-    /// divides near the limit.
-    pub(super) fn shares(&self, chain: u64, holder: u64, cap: u64, now: Nanos) -> Shares {
+    /// lease back and asks nothing), at a demand of `demand` units a second, and
+    /// returns who else is asking: what the grant rule divides near the limit.
+    pub(super) fn shares(
+        &self,
+        chain: u64,
+        holder: u64,
+        cap: u64,
+        demand: u64,
+        now: Nanos,
+    ) -> Shares {
         let fresh = |a: &Asked| now.saturating_sub(a.seen) < ACTIVE_FOR;
         let mut asks = self.asks.lock();
         if asks.len() >= MAX_CHAINS && !asks.contains_key(&chain) {
@@ -218,18 +227,31 @@ impl Leases {
             .filter(|a| a.holder != holder)
             .map(|a| a.cap)
             .fold(0, u64::saturating_add);
+        // The others' demand, if every one of them reported it.
+        let others_demand = e
+            .holders
+            .iter()
+            .filter(|a| a.holder != holder)
+            .try_fold(0u64, |sum, a| (a.demand > 0).then(|| sum.saturating_add(a.demand)));
         let mine = e.holders.iter().position(|a| a.holder == holder);
         let active = (e.holders.len() - usize::from(mine.is_some())) as u64 + 1;
         match mine {
-            Some(i) if cap > 0 => (e.holders[i].cap, e.holders[i].seen) = (cap, now),
+            Some(i) if cap > 0 => {
+                let a = &mut e.holders[i];
+                (a.cap, a.demand, a.seen) = (cap, demand, now);
+            }
             Some(i) => {
                 e.holders.swap_remove(i);
             }
             None if cap > 0 && e.holders.len() < MAX_HOLDERS => {
-                e.holders.push(Asked { holder, cap, seen: now, granted: 0.0, at: now });
+                e.holders.push(Asked { holder, cap, demand, seen: now, granted: 0.0, at: now });
             }
             None => {}
         }
+        let demand = match others_demand {
+            Some(others) if demand > 0 => (demand, others.saturating_add(demand)),
+            _ => (0, 0),
+        };
         if e.holders.is_empty() {
             asks.remove(&chain);
         }
@@ -237,7 +259,7 @@ impl Leases {
         let mut z = now ^ holder.rotate_left(29) ^ chain.rotate_left(7);
         z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
         z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        Shares { active, others, dice: z ^ (z >> 31) }
+        Shares { active, others, dice: z ^ (z >> 31), demand }
     }
 
     /// Whether `holder` is past its fair share of `chain` at `now`: near the limit (a
@@ -259,8 +281,12 @@ impl Leases {
         if competing().count() < 2 {
             return None;
         }
-        #[allow(clippy::cast_precision_loss)] // unit counts, compared
-        let fair = me.cap as f64 / competing().map(|a| a.cap as f64).sum::<f64>();
+        // Its part of the competing holders' demand where all reported it, else of
+        // their asks (as the grant rule divides).
+        let by_demand = competing().all(|a| a.demand > 0) && me.demand > 0;
+        #[allow(clippy::cast_precision_loss)] // unit counts and rates, compared
+        let weight = |a: &Asked| if by_demand { a.demand as f64 } else { a.cap as f64 };
+        let fair = weight(me) / competing().map(weight).sum::<f64>();
         let total: f64 = competing().map(|a| a.granted_at(now)).sum();
         // A fiftieth of its share of slack: holders about at their share are not
         // held back (units kept in the bucket wait for a holder that may come late).

@@ -9,7 +9,7 @@ use std::time::Duration;
 use common::{Owner, agent, req};
 use limiter_core::Reason;
 use limiter_core::clock::{Clock, MonotonicClock};
-use limiter_gateway_agent::{Agent, AgentConfig, AgentRequest, Source};
+use limiter_gateway_agent::{Agent, AgentConfig, AgentRequest, AgentStats, Source};
 
 const POLICY: &str = r"
 version: 1
@@ -53,18 +53,21 @@ async fn decides_locally_from_a_lease_and_rejects_with_the_owners_reason() {
     assert!(e.to_string().contains("cost"), "{e}");
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn at_steady_demand_nearly_every_decision_is_local() {
-    let clock: Arc<dyn Clock> = Arc::new(MonotonicClock::new());
-    let owner = Owner::start(POLICY, clock.clone()).await;
-    let a = agent(&owner.url(), "a2", clock.clone());
-    // 25 keys at 20 requests per second each: one second to warm up, then four measured.
-    let keys: Vec<String> = (0..25).map(|i| format!("k{i}")).collect();
-    let mut tick = tokio::time::interval(Duration::from_millis(50));
-    let mut warm = None;
-    for round in 0..100 {
-        if round == 20 {
-            warm = Some(a.stats());
+/// `keys` keys of tenant `busy`, one request each every `every` for `rounds` rounds,
+/// each admitted: the agent's stats after `warm` rounds and at the end.
+async fn steady(
+    a: &Agent,
+    keys: usize,
+    every: Duration,
+    warm: usize,
+    rounds: usize,
+) -> (AgentStats, AgentStats) {
+    let keys: Vec<String> = (0..keys).map(|i| format!("k{i}")).collect();
+    let mut tick = tokio::time::interval(every);
+    let mut warmed = None;
+    for round in 0..rounds {
+        if round == warm {
+            warmed = Some(a.stats());
         }
         tick.tick().await;
         for k in &keys {
@@ -72,7 +75,16 @@ async fn at_steady_demand_nearly_every_decision_is_local() {
             assert!(o.allowed);
         }
     }
-    let (w, s) = (warm.unwrap(), a.stats());
+    (warmed.unwrap(), a.stats())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn at_steady_demand_nearly_every_decision_is_local() {
+    let clock: Arc<dyn Clock> = Arc::new(MonotonicClock::new());
+    let owner = Owner::start(POLICY, clock.clone()).await;
+    let a = agent(&owner.url(), "a2", clock.clone());
+    // 25 keys at 20 requests per second each: one second to warm up, then four measured.
+    let (w, s) = steady(&a, 25, Duration::from_millis(50), 20, 100).await;
     let local = (s.local - w.local) as f64;
     let decisions = local + (s.slow - w.slow) as f64;
     let calls = (s.owner_calls - w.owner_calls) as f64;
@@ -93,20 +105,7 @@ async fn a_round_with_more_keys_due_than_one_call_takes_renews_them_all() {
     let owner = Owner::start(POLICY, clock.clone()).await;
     let a = agent(&owner.url(), "a5", clock.clone());
     // 350 keys at 10 requests per second each: one second to warm up, two measured.
-    let keys: Vec<String> = (0..350).map(|i| format!("k{i}")).collect();
-    let mut tick = tokio::time::interval(Duration::from_millis(100));
-    let mut warm = None;
-    for round in 0..30 {
-        if round == 10 {
-            warm = Some(a.stats());
-        }
-        tick.tick().await;
-        for k in &keys {
-            let o = a.decide(&AgentRequest { key: Some(k), ..req("busy", "/r") }).await.unwrap();
-            assert!(o.allowed);
-        }
-    }
-    let (w, s) = (warm.unwrap(), a.stats());
+    let (w, s) = steady(&a, 350, Duration::from_millis(100), 10, 30).await;
     let local = (s.local - w.local) as f64;
     let decisions = local + (s.slow - w.slow) as f64;
     let (calls, items) = (s.owner_calls - w.owner_calls, s.owner_items - w.owner_items);

@@ -22,6 +22,12 @@ const ACTIVE_FOR: Nanos = 2 * NANOS_PER_SEC;
 const MAX_CHAINS: usize = 100_000;
 const MAX_HOLDERS: usize = 256;
 
+/// The most a holder's reported demand counts, in units a second per unit of its ask:
+/// an honest ask covers at least 50 ms of demand (two spans of a renewal interval of
+/// 25 ms or more), so a holder cannot claim a chain's budget by reporting a demand it
+/// does not ask for (and a reported `u64::MAX` cannot make the others' parts nothing).
+const DEMAND_PER_ASKED: u64 = 20;
+
 /// How long a chain counts as near its limit after a grant for it was cut short.
 const NEAR_FOR: Nanos = NANOS_PER_SEC;
 
@@ -227,6 +233,7 @@ impl Leases {
             .filter(|a| a.holder != holder)
             .map(|a| a.cap)
             .fold(0, u64::saturating_add);
+        let demand = demand.min(cap.saturating_mul(DEMAND_PER_ASKED));
         // The others' demand, if every one of them reported it.
         let others_demand = e
             .holders
@@ -364,5 +371,26 @@ impl crate::cluster::LeaseBook for Leases {
 
     fn adopt(&self, leases: &[pb::LeaseState]) -> u64 {
         Self::adopt(self, leases)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Near the limit the parts follow reported demand, and a demand far beyond a
+    /// holder's ask counts only as far as its ask goes.
+    #[test]
+    fn a_reported_demand_counts_within_what_the_holder_asks() {
+        let leases = Leases::default();
+        let now = NANOS_PER_SEC;
+        leases.shares(1, 10, 3, 7, now);
+        let s = leases.shares(1, 11, 36, 72, now);
+        assert_eq!(s.demand, (72, 79));
+        assert_eq!(s.others, 3);
+        let greedy = leases.shares(1, 12, 5, u64::MAX, now);
+        assert_eq!(greedy.demand, (100, 179), "at most 20 a second per unit asked");
+        let honest = leases.shares(1, 10, 3, 7, now);
+        assert_eq!(honest.demand, (7, 179));
     }
 }

@@ -147,36 +147,6 @@ impl LeaseState {
     }
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    /// Keys that differ in one byte anywhere (any part, any length up to past the
-    /// word loads), or only in where one part ends, never match.
-    #[test]
-    fn a_key_matches_only_itself() {
-        for n in 0..40 {
-            let key: String = (0..n).map(|i| char::from(b'a' + (i % 26) as u8)).collect();
-            let k = SlotKey::new("tenant", "/route", &key);
-            let same = SlotRef { tenant: "tenant", route: "/route", key: &key };
-            assert!(same.matches(&k), "{n}");
-            for at in 0..n {
-                let mut other = key.clone().into_bytes();
-                other[at] = b'Z';
-                let other = String::from_utf8(other).unwrap();
-                let r = SlotRef { tenant: "tenant", route: "/route", key: &other };
-                assert!(!r.matches(&k), "{n} at {at}");
-                let t = SlotKey::new(&other, "/route", "k");
-                let r = SlotRef { tenant: &key, route: "/route", key: "k" };
-                assert!(!r.matches(&t), "tenant {n} at {at}");
-            }
-        }
-        let k = SlotKey::new("ab", "c", "d");
-        assert!(!SlotRef { tenant: "a", route: "bc", key: "d" }.matches(&k));
-        assert!(!SlotRef { tenant: "ab", route: "", key: "cd" }.matches(&k));
-    }
-}
-
 #[derive(Debug)]
 pub(super) struct Slot {
     pub(super) balance: Balance,
@@ -224,16 +194,15 @@ impl Slot {
 
     /// Drops the key's slow-path state if `idle` says it holds nothing worth keeping
     /// and no one else has it (a request about to use it has a reference, and the
-    /// state stays). Returns whether it was dropped.
-    pub(super) fn shed(&self, idle: impl FnOnce(&LeaseState) -> bool) -> bool {
+    /// state stays).
+    pub(super) fn shed(&self, idle: impl FnOnce(&LeaseState) -> bool) {
         let mut cell = self.lease.lock();
-        let drop = cell
+        if cell
             .as_ref()
-            .is_some_and(|c| Arc::strong_count(c) == 1 && c.try_lock().is_ok_and(|st| idle(&st)));
-        if drop {
+            .is_some_and(|c| Arc::strong_count(c) == 1 && c.try_lock().is_ok_and(|st| idle(&st)))
+        {
             *cell = None;
         }
-        drop
     }
 }
 
@@ -356,5 +325,35 @@ impl Slots {
                 map.shrink_to_fit(|x| self.hash(&x.key.as_ref()));
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Keys that differ in one byte anywhere (any part, any length up to past the
+    /// word loads), or only in where one part ends, never match.
+    #[test]
+    fn a_key_matches_only_itself() {
+        for n in 0..40 {
+            let key: String = (0..n).map(|i| char::from(b'a' + (i % 26) as u8)).collect();
+            let k = SlotKey::new("tenant", "/route", &key);
+            let same = SlotRef { tenant: "tenant", route: "/route", key: &key };
+            assert!(same.matches(&k), "{n}");
+            for at in 0..n {
+                let mut other = key.clone().into_bytes();
+                other[at] = b'Z';
+                let other = String::from_utf8(other).unwrap();
+                let r = SlotRef { tenant: "tenant", route: "/route", key: &other };
+                assert!(!r.matches(&k), "{n} at {at}");
+                let t = SlotKey::new(&other, "/route", "k");
+                let r = SlotRef { tenant: &key, route: "/route", key: "k" };
+                assert!(!r.matches(&t), "tenant {n} at {at}");
+            }
+        }
+        let k = SlotKey::new("ab", "c", "d");
+        assert!(!SlotRef { tenant: "a", route: "bc", key: "d" }.matches(&k));
+        assert!(!SlotRef { tenant: "ab", route: "", key: "cd" }.matches(&k));
     }
 }

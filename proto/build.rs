@@ -1,7 +1,11 @@
 //! Compiles the `.proto` files with protox (pure Rust: no system `protoc` needed).
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
-    let files = ["limiter/v1/limiter.proto", "envoy/service/ratelimit/v3/rls.proto"];
+    let files = [
+        "limiter/v1/limiter.proto",
+        "envoy/service/ratelimit/v3/rls.proto",
+        "envoy/service/rate_limit_quota/v3/rlqs.proto",
+    ];
     for f in &files {
         println!("cargo:rerun-if-changed={f}");
     }

@@ -228,6 +228,10 @@ pub struct Shares {
     /// (a holder at 3.6 units a round asks 3, a tenth less than its part), a demand
     /// is not rounded to the round. 0: unknown, the asks decide.
     pub demand: (u64, u64),
+    /// The holder pays for a rate it hands on (the RLQS service), and what it asks
+    /// for is spent at that rate: no cap at half of what is left (which would hold a
+    /// lone holder to half its limit's rate); the proportional part still applies.
+    pub whole: bool,
 }
 
 /// The share of what is left one grant may take, for a holder asking `mine` (its cap,
@@ -244,9 +248,10 @@ pub struct Shares {
 /// ```
 /// use limiter_core::lease::{Shares, share};
 /// // 100 left, this holder asks 30, the others 270 in all: a tenth (30 * 100 / 300).
-/// assert_eq!(share(100, 30, &Shares { active: 10, others: 270, dice: 0, demand: (0, 0) }), 10);
+/// let crowd = Shares { active: 10, others: 270, dice: 0, demand: (0, 0), whole: false };
+/// assert_eq!(share(100, 30, &crowd), 10);
 /// // Plenty left: what was asked, within half of it.
-/// assert_eq!(share(1_000, 30, &Shares { active: 10, others: 270, dice: 0, demand: (0, 0) }), 30);
+/// assert_eq!(share(1_000, 30, &crowd), 30);
 /// ```
 pub fn share(remaining: u64, mine: u64, shares: &Shares) -> u64 {
     let total = mine.saturating_add(shares.others);
@@ -266,7 +271,7 @@ pub fn share(remaining: u64, mine: u64, shares: &Shares) -> u64 {
         let draw = (u128::from(shares.dice >> 32) * u128::from(whole_of.max(1))) >> 32;
         u64::try_from(whole + u128::from(draw < part)).unwrap_or(u64::MAX).min(mine)
     };
-    fair.min(remaining / 2)
+    if shares.whole { fair.min(remaining) } else { fair.min(remaining / 2) }
 }
 
 /// Budgets too small to split: when a chain's tightest capacity is less than two
@@ -402,13 +407,25 @@ mod grant_rule {
         // Demand known: 100 left among asks of 3 and 192 (demands 7 and 393 a
         // second) is divided by demand: 1.75 units, 1 or 2 by the dice, not the 1.54
         // the asks say; never more than the ask.
-        let by_demand = |dice| Shares { active: 2, others: 192, dice, demand: (7, 400) };
+        let by_demand =
+            |dice| Shares { active: 2, others: 192, dice, demand: (7, 400), whole: false };
         assert_eq!(share(100, 3, &by_demand(u64::MAX)), 1);
         assert_eq!(share(100, 3, &by_demand(0)), 2);
         let paid: u64 = (0..1_000u64).map(|i| share(100, 3, &by_demand(i << 54))).sum();
         assert!((1_700..=1_800).contains(&paid), "{paid}");
-        let big = Shares { active: 2, others: 192, dice: 0, demand: (300, 400) };
+        let big = Shares { active: 2, others: 192, dice: 0, demand: (300, 400), whole: false };
         assert_eq!(share(100, 3, &big), 3, "at most the ask");
+    }
+
+    #[test]
+    fn a_rate_holder_may_take_all_that_is_left_but_not_more_than_its_part() {
+        let alone = Shares { active: 0, whole: true, ..Shares::default() };
+        assert_eq!(share(100, 80, &alone), 80, "no cap at half of what is left");
+        assert_eq!(share(100, 500, &alone), 100, "never more than is left");
+        assert_eq!(share(100, 80, &Shares { whole: false, ..alone }), 50);
+        // Near the limit, its part of what is left still follows demand.
+        let crowd = Shares { others: 300, demand: (1, 4), ..alone };
+        assert_eq!(share(100, 80, &crowd), 25);
     }
 
     #[test]

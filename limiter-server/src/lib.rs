@@ -28,6 +28,7 @@ use std::future::Future;
 use std::sync::Arc;
 
 use limiter_core::clock::{Clock, MonotonicClock, Nanos};
+use limiter_proto::envoy::service::rate_limit_quota::v3::rate_limit_quota_service_server::RateLimitQuotaServiceServer;
 use limiter_proto::envoy::service::ratelimit::v3::rate_limit_service_server::RateLimitServiceServer;
 use limiter_proto::limiter::v1::rate_limiter_server::RateLimiterServer;
 use tokio::net::TcpListener;
@@ -43,6 +44,9 @@ use crate::security::Security;
 use crate::store::Store;
 use crate::store::redis::RedisStore;
 
+/// What one bucket of an RLQS usage report may take on the wire, at most (its id's
+/// names within our name bounds, counts, durations): sizes the largest report.
+const RLQS_BYTES_PER_BUCKET: usize = 1_024;
 /// How often leases that reached their end are written off.
 const LEASE_EXPIRY_EVERY: std::time::Duration = std::time::Duration::from_millis(500);
 
@@ -296,6 +300,7 @@ impl Server {
         let (health, health_service) = tonic_health::server::health_reporter();
         health.set_serving::<RateLimiterServer<api::native::NativeService>>().await;
         health.set_serving::<RateLimitServiceServer<api::envoy::EnvoyService>>().await;
+        health.set_serving::<RateLimitQuotaServiceServer<api::rlqs::RlqsService>>().await;
         let max_message = config.limits.max_message_bytes;
         let native = RateLimiterServer::new(api::native::NativeService::new(owner.clone()))
             .max_decoding_message_size(max_message);
@@ -304,6 +309,18 @@ impl Server {
             config.envoy.clone(),
         ))
         .max_decoding_message_size(max_message);
+        // An Envoy reports every bucket it tracks in one message: up to
+        // `rlqs.max_buckets` of them, each a few dozen bytes of names.
+        let rlqs_stop = CancellationToken::new();
+        let rlqs = RateLimitQuotaServiceServer::new(api::rlqs::RlqsService::new(
+            owner.clone(),
+            config.envoy.clone(),
+            config.rlqs,
+            rlqs_stop.clone(),
+        ))
+        .max_decoding_message_size(
+            max_message.max(config.rlqs.max_buckets.saturating_mul(RLQS_BYTES_PER_BUCKET)),
+        );
         // The descriptor sets are built into the binary: a failure to decode them is a
         // build defect (the reflection test catches it), never caused by a caller.
         let reflection_v1 = reflection().build_v1().expect("the built-in descriptors decode");
@@ -333,7 +350,8 @@ impl Server {
             .add_service(reflection_v1)
             .add_service(reflection_alpha)
             .add_service(native)
-            .add_service(envoy);
+            .add_service(envoy)
+            .add_service(rlqs);
         let conns = listener::accept(listeners.grpc, "grpc", grpc_limits, grpc_stop.clone());
         let stopped = grpc_stop.clone().cancelled_owned();
         let grpc = match &security.grpc_tls {
@@ -424,6 +442,9 @@ impl Server {
         }
         health.set_not_serving::<RateLimiterServer<api::native::NativeService>>().await;
         health.set_not_serving::<RateLimitServiceServer<api::envoy::EnvoyService>>().await;
+        health.set_not_serving::<RateLimitQuotaServiceServer<api::rlqs::RlqsService>>().await;
+        // Envoys on RLQS streams here abandon their buckets and reconnect elsewhere.
+        rlqs_stop.cancel();
         health.set_service_status("", tonic_health::ServingStatus::NotServing).await;
         tokio::time::sleep(config.drain_delay).await;
         grpc_stop.cancel();

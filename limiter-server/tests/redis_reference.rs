@@ -289,6 +289,8 @@ async fn the_lease_script_divides_what_is_left_as_the_grant_rule_does() {
             dice: rng.next_u64(),
             // The script divides by the asks: compared with demands unknown.
             demand: (0, 0),
+            // And keeps the half-of-what-is-left cap (no rate holders on Redis).
+            whole: false,
         };
         near += u64::from(ask.cap() + shares.others > limit - spent);
         let renewal = Renewal { back: None, ask, shares };

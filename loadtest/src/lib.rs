@@ -21,6 +21,7 @@ pub mod procs;
 pub mod record;
 pub mod replication;
 pub mod report;
+pub mod rlqs;
 pub mod run;
 pub mod scenario;
 pub mod target;

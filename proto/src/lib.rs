@@ -3,7 +3,10 @@
 //! - [`limiter::v1`]: our native API (`ShouldAllow`, batches, cost reports).
 //! - [`envoy`]: a wire-compatible declaration of Envoy's rate limit service v3
 //!   (`envoy.service.ratelimit.v3.RateLimitService/ShouldRateLimit`), so that real
-//!   Envoy proxies can call us. Only the messages that service uses are declared.
+//!   Envoy proxies can call us, and of its Rate Limit Quota Service (RLQS,
+//!   `envoy.service.rate_limit_quota.v3.RateLimitQuotaService/StreamRateLimitQuotas`),
+//!   which Envoy's `rate_limit_quota` filter streams usage reports to. Only the
+//!   messages those services use are declared.
 //! - [`connect`]: how clients reach a server: TLS, client certificates, bearer tokens.
 //!
 //! Generated at build time by `build.rs` with protox (no system `protoc`).
@@ -56,6 +59,13 @@ pub mod envoy {
             /// `envoy.service.ratelimit.v3`
             pub mod v3 {
                 tonic::include_proto!("envoy.service.ratelimit.v3");
+            }
+        }
+        /// `envoy.service.rate_limit_quota`
+        pub mod rate_limit_quota {
+            /// `envoy.service.rate_limit_quota.v3`
+            pub mod v3 {
+                tonic::include_proto!("envoy.service.rate_limit_quota.v3");
             }
         }
     }

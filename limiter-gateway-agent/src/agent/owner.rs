@@ -38,6 +38,8 @@ impl Inner {
             share_class: String::new(),
             // A rationed key is renewed at least this often while used.
             renews_within: Some(duration(self.rationed_every())),
+            rates: false,
+            demand_milli: 0,
         }
     }
 

@@ -110,7 +110,7 @@ const EMPTY_VALUE: &str = "%empty";
 /// `%XX`, byte by byte; an empty value is [`EMPTY_VALUE`]; a name still longer than
 /// `max` bytes becomes `sha256:` and the first [`DIGEST_HEX`] hex digits of its
 /// SHA-256, so the limit still applies to it, as one fixed-length key per value.
-fn name_from(value: &str, max: usize) -> Cow<'_, str> {
+pub(crate) fn name_from(value: &str, max: usize) -> Cow<'_, str> {
     if value.is_empty() {
         return Cow::Borrowed(EMPTY_VALUE);
     }

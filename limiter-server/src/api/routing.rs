@@ -260,6 +260,27 @@ pub async fn lease(
             ServerError::invalid(field, "slices of root levels are leased by nodes only"),
         ));
     }
+    // A rate holder's asks are not cut to the batch: the server's own RLQS service
+    // makes them (through `lease_routed`), never a client.
+    if hop == 0
+        && let Some(i) = req.items.iter().position(|i| i.rates)
+    {
+        return Err((i, ServerError::invalid("rates", "set by the server's RLQS service only")));
+    }
+    lease_routed(owner, req, hop).await
+}
+
+/// [`lease`] without the checks of what only nodes may ask: the server's own callers
+/// (the RLQS service) and peers.
+///
+/// # Errors
+///
+/// As [`lease`].
+pub async fn lease_routed(
+    owner: &Arc<Owner>,
+    req: &pb::LeaseRequest,
+    hop: u8,
+) -> Result<Vec<pb::LeaseGrant>, (usize, ServerError)> {
     let Some(cluster) = owner.cluster().filter(|c| !c.is_single()) else {
         return owner.lease(&req.agent_id, &req.items).await;
     };

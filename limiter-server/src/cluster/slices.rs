@@ -422,6 +422,8 @@ impl Cluster {
             local_permits: false,
             share_class: key.2.to_string(),
             renews_within: None,
+            rates: false,
+            demand_milli: 0,
         };
         let req = pb::LeaseRequest {
             agent_id: format!("node:{}", self.me.id),

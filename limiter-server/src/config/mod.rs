@@ -34,6 +34,7 @@ struct Raw {
     store: RawStore,
     limits: RawLimits,
     envoy: RawEnvoy,
+    rlqs: RawRlqs,
     reload: RawReload,
     shutdown: RawShutdown,
     cluster: RawCluster,
@@ -106,6 +107,17 @@ struct RawEnvoy {
 
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
+struct RawRlqs {
+    round_ms: i64,
+    ttl_s: i64,
+    burst_ms: i64,
+    slack_ms: i64,
+    max_buckets: i64,
+    idle_ms: i64,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
 struct RawReload {
     poll_interval_ms: i64,
     settle_ms: i64,
@@ -164,6 +176,13 @@ envoy:
   tenant_key: tenant
   route_key: route
   descriptor_limits: ignore
+rlqs:
+  round_ms: 500
+  ttl_s: 2
+  burst_ms: 100
+  slack_ms: 100
+  max_buckets: 10000
+  idle_ms: 60000
 dashboard:
   show_keys: false
 tracing:
@@ -244,6 +263,29 @@ pub enum DescriptorLimits {
         /// The most an override may grant, as a rate (`envoy.descriptor_limit_cap`).
         cap: limiter_core::rate::Rate,
     },
+}
+
+/// Envoy's Rate Limit Quota Service (`rlqs.*`): how assignments are paid for and sent.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RlqsConfig {
+    /// How often each stream pays for its buckets' rates and re-sends their
+    /// assignments (`rlqs.round_ms`).
+    pub round: Duration,
+    /// An assignment's time to live, whole seconds (Envoy reads no fraction), at
+    /// least two rounds (`rlqs.ttl_s`).
+    pub ttl: Duration,
+    /// An assignment's `max_tokens`: its rate over this long, at least 1
+    /// (`rlqs.burst_ms`).
+    pub burst: Duration,
+    /// How much later than sent an Envoy may start an assignment's TTL (delivery):
+    /// paid for as well (`rlqs.slack_ms`).
+    pub slack: Duration,
+    /// Buckets one stream may hold; beyond, a new bucket is denied
+    /// (`rlqs.max_buckets`).
+    pub max_buckets: usize,
+    /// A bucket with no requests reported for this long is abandoned
+    /// (`rlqs.idle_ms`).
+    pub idle: Duration,
 }
 
 /// Bounds on what callers may send.
@@ -331,8 +373,10 @@ pub struct ServerConfig {
     pub sweep_interval: Duration,
     /// Caller bounds.
     pub limits: Limits,
-    /// Envoy descriptor mapping.
+    /// Envoy descriptor mapping (RLS descriptors and RLQS bucket ids alike).
     pub envoy: EnvoyMapping,
+    /// Envoy's Rate Limit Quota Service.
+    pub rlqs: RlqsConfig,
     /// Fallback poll of the policy file (file events are the main trigger).
     pub reload_poll: Duration,
     /// How long the policy file must be still before a change is loaded.

@@ -187,6 +187,7 @@ impl TryFrom<Raw> for ServerConfig {
                 DescriptorLimits::Ignore
             }
         };
+        let rlqs = rlqs_config(&mut errors, &raw.rlqs);
         let reload_poll =
             millis(&mut errors, "reload.poll_interval_ms", raw.reload.poll_interval_ms, false);
         let reload_settle = millis(&mut errors, "reload.settle_ms", raw.reload.settle_ms, true);
@@ -223,6 +224,7 @@ impl TryFrom<Raw> for ServerConfig {
                 default_route: raw.envoy.default_route.filter(|r| !r.is_empty()),
                 descriptor_limits,
             },
+            rlqs,
             reload_poll,
             reload_settle,
             show_keys: raw.dashboard.show_keys,
@@ -232,6 +234,27 @@ impl TryFrom<Raw> for ServerConfig {
             security,
             tracing,
         })
+    }
+}
+
+fn rlqs_config(errors: &mut Vec<String>, r: &super::RawRlqs) -> super::RlqsConfig {
+    let round = millis(errors, "rlqs.round_ms", r.round_ms, false);
+    let ttl_s = positive(errors, "rlqs.ttl_s", r.ttl_s, 3600) as u64;
+    let ttl = Duration::from_secs(ttl_s);
+    if ttl < 2 * round {
+        errors.push(format!(
+            "rlqs.ttl_s: must be at least two rounds (rlqs.round_ms {} ms), found {ttl_s} s: an \
+             assignment would expire before its next renewal could arrive",
+            round.as_millis()
+        ));
+    }
+    super::RlqsConfig {
+        round,
+        ttl,
+        burst: millis(errors, "rlqs.burst_ms", r.burst_ms, false),
+        slack: millis(errors, "rlqs.slack_ms", r.slack_ms, true),
+        max_buckets: positive(errors, "rlqs.max_buckets", r.max_buckets, 1 << 20),
+        idle: millis(errors, "rlqs.idle_ms", r.idle_ms, false),
     }
 }
 

@@ -55,6 +55,47 @@ fn failure_policy(p: FailurePolicy) -> pb::FailurePolicy {
     }
 }
 
+/// What the RLQS service's smallest assignment costs: two tokens of capacity and
+/// one of rate.
+const RATE_PART_MIN: u64 = 3;
+
+/// A rate holder's part of the chain's rate, in units over the time its ask pays
+/// for (`renews_within`): the rate of the chain's tightest level (a bucket's
+/// refill, a window's limit over its length) in proportion to its demand among the
+/// chain's holders, where every holder's demand is known (Doorman's proportional
+/// share of a rate; a part under [`RATE_PART_MIN`] is paid on average). Its ask is
+/// cut to it: dividing
+/// what is left instead would pay whoever asks first after a refill, since the
+/// holders' rounds do not line up.
+fn rate_part(chain: &Chain<'_>, shares: Shares, item: &pb::LeaseItem, now: Nanos) -> Option<u64> {
+    let (mine, all) = shares.demand;
+    let period = item.renews_within.as_ref().map_or(0, convert::nanos_of);
+    if period == 0 || mine == 0 || all < mine {
+        return None;
+    }
+    let per_sec = chain
+        .levels()
+        .filter(|l| !l.rule.limit.is_concurrency())
+        .map(|l| {
+            let (n, w) = l.rule.limit.quota_at(now);
+            n as f64 * NANOS_PER_SEC as f64 / w.max(1) as f64
+        })
+        .fold(f64::INFINITY, f64::min);
+    if !per_sec.is_finite() {
+        return None;
+    }
+    let part = per_sec * mine as f64 / all as f64 * period as f64 / NANOS_PER_SEC as f64;
+    // A part smaller than the smallest assignment's cost is that cost with the
+    // probability that pays the part on average (a new bucket then lasts that many
+    // rounds), else the part rounded up (what keeping a slow bucket costs).
+    let min = RATE_PART_MIN as f64;
+    let draw = (shares.dice >> 11) as f64 / (1u64 << 53) as f64;
+    let part = if part < min && draw * min < part { min } else { part.ceil() };
+    #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
+    let units = part.max(1.0) as u64;
+    Some(units)
+}
+
 /// What one lease call granted: the counters it charged and the leases it opened
 /// (sent to their replicas before the call is answered).
 #[derive(Debug, Default)]
@@ -235,12 +276,19 @@ impl Owner {
             }
             _ => chain.route.lease.ttl,
         };
+        // A rate holder (the RLQS service) pays for a rate until its assignment can
+        // expire: its ask is not cut to one hold's demand nor to the batch.
+        let rates = item.rates && slice_of.is_none();
         let ask = Ask {
             want: item.want,
             cost: item.cost,
-            demand_per_sec: item.demand_per_sec,
+            demand_per_sec: if rates { u64::MAX } else { item.demand_per_sec },
             hold: chain.grant_hold(now, ttl),
-            most: if slice_of.is_some() { u64::MAX } else { chain.route.lease.max_batch.get() },
+            most: if slice_of.is_some() || rates {
+                u64::MAX
+            } else {
+                chain.route.lease.max_batch.get()
+            },
         };
         // A divided level: the grant is no more than the request's class may take; a
         // class with nothing left refuses the waiting request. The class's demand is
@@ -278,12 +326,37 @@ impl Owner {
         let shares = match slice_of {
             Some(_) => Shares::default(),
             None => {
-                self.leases().shares(cid, holder, ask.cap().max(ask.cost), ask.demand_per_sec, now)
+                let mut s = self.leases().shares(
+                    cid,
+                    holder,
+                    ask.cap().max(ask.cost),
+                    item.demand_per_sec,
+                    now,
+                );
+                if rates {
+                    // Never direct: a rate is divided however small the budget; and
+                    // not held to half of what is left (see `Shares::whole`).
+                    s.active = 0;
+                    s.whole = true;
+                }
+                s
             }
         };
+        let part = if rates { rate_part(&chain, shares, item, now) } else { None };
+        let (ask, shares) = match part {
+            // Its part of the rate already divides the chain among its holders:
+            // what is left is not divided again (a part of what is left would pay
+            // whoever asks first after a refill), only never exceeded.
+            Some(units) => {
+                (Ask { want: ask.want.min(units), ..ask }, Shares { others: 0, ..shares })
+            }
+            None => (ask, shares),
+        };
+        grant.rate_part = part.unwrap_or(0);
         let renewal = Renewal { back, ask, shares };
         if slice_of.is_none()
             && !exact
+            && !rates
             && let Some(wait) = self.held_back(&chain, &renewal, cid, holder, now).await?
         {
             self.give_back(&chain, now, back).await?;

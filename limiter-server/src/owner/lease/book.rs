@@ -28,6 +28,10 @@ const MAX_HOLDERS: usize = 256;
 /// does not ask for (and a reported `u64::MAX` cannot make the others' parts nothing).
 const DEMAND_PER_ASKED: u64 = 20;
 
+/// Demands are kept in thousandths of a unit a second (a rate holder's demand for a
+/// key is often under a unit a second).
+pub(super) const DEMAND_SCALE: u64 = 1_000;
+
 /// How long a chain counts as near its limit after a grant for it was cut short.
 const NEAR_FOR: Nanos = NANOS_PER_SEC;
 
@@ -39,7 +43,7 @@ const GRANTED_HALF_LIFE: Nanos = NANOS_PER_SEC;
 struct Asked {
     holder: u64,
     cap: u64,
-    /// Its reported demand, units a second (0: not reported).
+    /// Its reported demand, thousandths of a unit a second (0: not reported).
     demand: u64,
     seen: Nanos,
     /// Units granted, decayed by half every `GRANTED_HALF_LIFE` since `at`.
@@ -204,7 +208,8 @@ impl Leases {
     }
 
     /// Records that `holder` asks for `cap` units of `chain` at `now` (0: it gives its
-    /// lease back and asks nothing), at a demand of `demand` units a second, and
+    /// lease back and asks nothing), at a demand of `demand` thousandths of a unit a
+    /// second ([`DEMAND_SCALE`]), and
     /// returns who else is asking: what the grant rule divides near the limit.
     pub(super) fn shares(
         &self,
@@ -233,7 +238,7 @@ impl Leases {
             .filter(|a| a.holder != holder)
             .map(|a| a.cap)
             .fold(0, u64::saturating_add);
-        let demand = demand.min(cap.saturating_mul(DEMAND_PER_ASKED));
+        let demand = demand.min(cap.saturating_mul(DEMAND_PER_ASKED * DEMAND_SCALE));
         // The others' demand, if every one of them reported it.
         let others_demand = e
             .holders
@@ -266,7 +271,7 @@ impl Leases {
         let mut z = now ^ holder.rotate_left(29) ^ chain.rotate_left(7);
         z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
         z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        Shares { active, others, dice: z ^ (z >> 31), demand }
+        Shares { active, others, dice: z ^ (z >> 31), demand, whole: false }
     }
 
     /// Whether `holder` is past its fair share of `chain` at `now`: near the limit (a
@@ -384,13 +389,14 @@ mod tests {
     fn a_reported_demand_counts_within_what_the_holder_asks() {
         let leases = Leases::default();
         let now = NANOS_PER_SEC;
-        leases.shares(1, 10, 3, 7, now);
-        let s = leases.shares(1, 11, 36, 72, now);
-        assert_eq!(s.demand, (72, 79));
+        // Demands in thousandths of a unit a second.
+        leases.shares(1, 10, 3, 7_000, now);
+        let s = leases.shares(1, 11, 36, 72_000, now);
+        assert_eq!(s.demand, (72_000, 79_000));
         assert_eq!(s.others, 3);
         let greedy = leases.shares(1, 12, 5, u64::MAX, now);
-        assert_eq!(greedy.demand, (100, 179), "at most 20 a second per unit asked");
-        let honest = leases.shares(1, 10, 3, 7, now);
-        assert_eq!(honest.demand, (7, 179));
+        assert_eq!(greedy.demand, (100_000, 179_000), "at most 20 a second per unit asked");
+        let honest = leases.shares(1, 10, 3, 7_000, now);
+        assert_eq!(honest.demand, (7_000, 179_000));
     }
 }

@@ -1,0 +1,863 @@
+//! Envoy's Rate Limit Quota Service (RLQS,
+//! `envoy.service.rate_limit_quota.v3.RateLimitQuotaService/StreamRateLimitQuotas`),
+//! on the same port and behind the same authentication as the other services.
+//!
+//! An Envoy's `rate_limit_quota` filter opens one stream per (server, domain), reports
+//! every bucket it tracks each reporting interval (a bucket's first report subscribes
+//! it), and enforces what the server assigns: here, a token bucket per bucket.
+//!
+//! - **Mapping.** A bucket id (a map of strings) is mapped as Envoy's RLS descriptors
+//!   are ([`EnvoyMapping`]): the tenant is the stream's `domain` (or the entry named by
+//!   `envoy.tenant_key`), the route the `envoy.route_key` entry (or the default route),
+//!   and every other entry, sorted by name (a bucket id has no order), `name=value`
+//!   joined by `|`, is the key.
+//! - **Paid rates.** A stream is a lease holder of the lease protocol (one per
+//!   Envoy): every round (`rlqs.round_ms`) it pays its tenant's owner, through the
+//!   grant rule the agents use, for what each bucket's assignment lets the Envoy
+//!   admit until the next round has reached it (`rlqs.round_ms` and `rlqs.slack_ms`
+//!   of delivery): the rate over that time, and a new or changed assignment's full
+//!   bucket (`max_tokens`: Envoy starts a new bucket full) besides. What the grant
+//!   does not cover is not assigned: the rate comes down, to `DENY_ALL` at nothing.
+//!   Units a round did not use go back with the next round's call (refunded
+//!   exactly). So while rounds arrive, every unit an Envoy can admit was paid before
+//!   it could be spent, from the same levels every other caller spends: exact. When
+//!   they stop (this node dies, or is cut off from its Envoys), an Envoy goes on
+//!   spending its last assignment until its TTL: at most its rate over the TTL past
+//!   what was paid, the bound README states.
+//! - **Shares.** Each bucket's ask carries the Envoy's demand (allowed plus denied
+//!   requests per second, counted on our clock, never Envoy's `time_elapsed`), so near
+//!   the limit the owner divides what is left in proportion to demand; a rate is never
+//!   sent direct, held back, cut to the route's `max_batch` or to half of what is
+//!   left (`LeaseItem::rates`).
+//! - **Assignments** are token buckets: `tokens_per_fill` over a `fill_interval` of
+//!   whole seconds (Envoy reads no fraction of it, and a fill interval under a second
+//!   divides by zero there), `max_tokens` the rate over `rlqs.burst_ms` (at least 1),
+//!   a TTL of `rlqs.ttl_s` whole seconds, or more where the Envoy reports less often
+//!   than twice a TTL; `DENY_ALL` where nothing was granted. The same bucket is
+//!   re-sent each round to extend its TTL (Envoy keeps its tokens); Envoy tells a
+//!   changed bucket by `max_tokens` and `tokens_per_fill` only, so a change always
+//!   changes one of those. A change costs a full new bucket: a rate within a tenth of
+//!   the one held is kept.
+//! - **Failures.** When the owner cannot be reached, a bucket gets its route's failure
+//!   policy, as an agent does: fail-open, its emergency ceiling as a token bucket;
+//!   fail-closed, `DENY_ALL`. A bucket that cannot be mapped or named is denied, and
+//!   a stream's buckets beyond `rlqs.max_buckets`: never a free pass.
+//! - **Drain.** When this node shuts down, each stream abandons its buckets and ends
+//!   with `UNAVAILABLE`, so its Envoy reconnects (to another node) and subscribes
+//!   again. A tenant moving between owners needs nothing: rounds are routed to the
+//!   tenant's owner of the moment.
+
+use std::borrow::Cow;
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use limiter_core::clock::{NANOS_PER_SEC, Nanos};
+use limiter_core::policy::Request;
+use limiter_proto::envoy::service::rate_limit_quota::v3 as rlqs;
+use limiter_proto::envoy::r#type::v3::{RateLimitStrategy, TokenBucket, rate_limit_strategy};
+use limiter_proto::limiter::v1 as pb;
+use rlqs::rate_limit_quota_response::BucketAction;
+use rlqs::rate_limit_quota_response::bucket_action::{
+    AbandonAction, BucketAction as Action, QuotaAssignmentAction,
+};
+use rlqs::rate_limit_quota_service_server::RateLimitQuotaService;
+use tokio::sync::mpsc;
+use tokio_util::sync::CancellationToken;
+use tonic::{Request as GrpcRequest, Response, Status, Streaming};
+
+use crate::config::{EnvoyMapping, RlqsConfig, TenantFrom};
+use crate::owner::Owner;
+
+/// Metric: RLQS streams open now.
+pub const STREAMS: &str = "limiter_rlqs_streams";
+/// Metric: buckets subscribed on this node's streams now.
+pub const BUCKETS: &str = "limiter_rlqs_buckets";
+/// Metric: actions sent to Envoys, by `action` (`assign`: a new or changed token
+/// bucket; `extend`: the same re-sent; `deny`; `fallback`: a failure policy's;
+/// `abandon`).
+pub const ACTIONS: &str = "limiter_rlqs_actions_total";
+/// Metric: buckets refused, by `reason` (`invalid`: no id, unmappable or bad names;
+/// `over_cap`: beyond `rlqs.max_buckets`).
+pub const REFUSED: &str = "limiter_rlqs_refused_buckets_total";
+/// Metric: units paid for Envoys' assignments (granted less handed back).
+pub const PAID: &str = "limiter_rlqs_paid_units_total";
+
+/// A requested rate is kept while the wanted one is within this factor of it either
+/// way: each change gives the Envoy a full new bucket.
+const KEEP_WITHIN: f64 = 1.1;
+/// A rate held above its part by more than this factor comes down.
+const COME_DOWN: f64 = 1.25;
+/// What is asked for above the measured demand, so that growth shows as demand.
+const HEADROOM: f64 = 1.5;
+/// The least rate asked for a subscribed bucket, units a second (a bucket that sees
+/// no traffic would otherwise deny its first requests for a round).
+const FLOOR_RATE: f64 = 1.0;
+/// The smallest `max_tokens` sent.
+const MIN_CAPACITY: u64 = 2;
+/// The longest fill interval used to express a slow rate, seconds.
+const MAX_FILL_SECS: u32 = 60;
+/// Actions per response message (Envoy's gRPC client caps message sizes).
+const ACTIONS_PER_MESSAGE: usize = 1_000;
+/// How much of the latest round's demand the estimate takes (the rest is history).
+const DEMAND_WEIGHT: f64 = 0.25;
+
+/// The service over an [`Owner`].
+#[derive(Debug, Clone)]
+pub struct RlqsService {
+    owner: Arc<Owner>,
+    mapping: Arc<EnvoyMapping>,
+    config: RlqsConfig,
+    stop: CancellationToken,
+    next: Arc<AtomicU64>,
+    /// Drawn at start, so that holder names of different nodes never meet.
+    node: u64,
+}
+
+impl RlqsService {
+    /// The service; `stop` cancelled makes every stream abandon its buckets and end.
+    pub fn new(
+        owner: Arc<Owner>,
+        mapping: EnvoyMapping,
+        config: RlqsConfig,
+        stop: CancellationToken,
+    ) -> Self {
+        let node = std::hash::BuildHasher::hash_one(
+            &std::collections::hash_map::RandomState::new(),
+            owner.clock().now(),
+        );
+        Self {
+            owner,
+            mapping: Arc::new(mapping),
+            config,
+            stop,
+            next: Arc::new(AtomicU64::new(1)),
+            node,
+        }
+    }
+}
+
+#[tonic::async_trait]
+impl RateLimitQuotaService for RlqsService {
+    type StreamRateLimitQuotasStream =
+        tokio_stream::wrappers::ReceiverStream<Result<rlqs::RateLimitQuotaResponse, Status>>;
+
+    async fn stream_rate_limit_quotas(
+        &self,
+        request: GrpcRequest<Streaming<rlqs::RateLimitQuotaUsageReports>>,
+    ) -> Result<Response<Self::StreamRateLimitQuotasStream>, Status> {
+        let inbound = request.into_inner();
+        let (tx, rx) = mpsc::channel(4);
+        let id = self.next.fetch_add(1, Ordering::Relaxed);
+        let session = Session {
+            owner: self.owner.clone(),
+            mapping: self.mapping.clone(),
+            config: self.config,
+            holder: format!("rlqs:{:016x}:{id}", self.node),
+            domain: None,
+            buckets: HashMap::new(),
+            report_gap: 0,
+            last_message: 0,
+            tx,
+        };
+        tokio::spawn(session.run(inbound, self.stop.clone()));
+        Ok(Response::new(tokio_stream::wrappers::ReceiverStream::new(rx)))
+    }
+}
+
+/// What an Envoy holds for a bucket, as sent.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Sent {
+    Deny,
+    Tokens { max_tokens: u32, tokens: u32, fill_secs: u32 },
+}
+
+impl Sent {
+    /// Units a second.
+    fn rate(self) -> f64 {
+        match self {
+            Self::Deny => 0.0,
+            Self::Tokens { tokens, fill_secs, .. } => f64::from(tokens) / f64::from(fill_secs),
+        }
+    }
+
+    /// Whether Envoy would take `self` for `other` (it compares `max_tokens`,
+    /// `tokens_per_fill` and the fill interval's nanoseconds, always 0 here).
+    fn same_for_envoy(self, other: Self) -> bool {
+        match (self, other) {
+            (Self::Deny, Self::Deny) => true,
+            (
+                Self::Tokens { max_tokens: a, tokens: b, .. },
+                Self::Tokens { max_tokens: c, tokens: d, .. },
+            ) => a == c && b == d,
+            _ => false,
+        }
+    }
+
+    fn strategy(self) -> RateLimitStrategy {
+        let strategy = match self {
+            Self::Deny => rate_limit_strategy::Strategy::BlanketRule(
+                rate_limit_strategy::BlanketRule::DenyAll.into(),
+            ),
+            Self::Tokens { max_tokens, tokens, fill_secs } => {
+                rate_limit_strategy::Strategy::TokenBucket(TokenBucket {
+                    max_tokens,
+                    tokens_per_fill: Some(tokens),
+                    fill_interval: Some(prost_types::Duration {
+                        seconds: i64::from(fill_secs),
+                        nanos: 0,
+                    }),
+                    name: String::new(),
+                })
+            }
+        };
+        RateLimitStrategy { strategy: Some(strategy) }
+    }
+}
+
+/// `rate` (units a second) as whole tokens per whole seconds, never above it: the
+/// shortest fill interval within 3% of it, else the closest; `None` below one token
+/// a minute.
+fn tokens_for(rate: f64) -> Option<(u32, u32)> {
+    if !rate.is_finite() || rate * f64::from(MAX_FILL_SECS) < 1.0 {
+        return None;
+    }
+    let mut best: Option<(u32, u32, f64)> = None;
+    for secs in 1..=MAX_FILL_SECS {
+        let tokens = (rate * f64::from(secs)).floor().min(f64::from(u32::MAX));
+        if tokens < 1.0 {
+            continue;
+        }
+        let got = tokens / f64::from(secs);
+        // `tokens` is whole and at most u32::MAX: the cast is exact.
+        #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
+        let t = tokens as u32;
+        if got >= rate * 0.97 {
+            return Some((t, secs));
+        }
+        if best.is_none_or(|b| got > b.2) {
+            best = Some((t, secs, got));
+        }
+    }
+    best.map(|(t, s, _)| (t, s))
+}
+
+fn nanos(d: Duration) -> Nanos {
+    u64::try_from(d.as_nanos()).unwrap_or(u64::MAX)
+}
+
+/// `x` rounded down to a whole number of units (0 below 0; saturating).
+fn whole(x: f64) -> u64 {
+    // Saturating float-to-int conversion is what is wanted.
+    #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
+    let u = x.max(0.0) as u64;
+    u
+}
+
+/// A token bucket's `max_tokens` for `rate`: the rate over `burst` seconds, at least
+/// [`MIN_CAPACITY`] (a bucket of one token loses what refills while it is full:
+/// about a tenth of a slow rate at twice its demand).
+fn capacity(rate: f64, burst: f64) -> u64 {
+    whole(rate * burst).max(MIN_CAPACITY)
+}
+
+/// How long `units` last at `rate` (units a second), rounded down.
+fn nanos_for(units: u64, rate: f64) -> Nanos {
+    if rate <= 0.0 {
+        return 0;
+    }
+    whole((units as f64 / rate * NANOS_PER_SEC as f64).floor())
+}
+
+/// Units to pay for `rate` over `span` nanoseconds, rounded up.
+fn units_over(rate: f64, span: Nanos) -> u64 {
+    whole((rate * span as f64 / NANOS_PER_SEC as f64).ceil())
+}
+
+/// One subscribed bucket of a stream.
+#[derive(Debug)]
+struct Bucket {
+    id: rlqs::BucketId,
+    tenant: String,
+    route: String,
+    key: Option<String>,
+    /// Requests reported (allowed and denied) since the last round.
+    counted: u64,
+    /// When the last round read `counted` (or the bucket subscribed).
+    since: Nanos,
+    /// Requests a second, smoothed over rounds.
+    demand: f64,
+    /// The last report with requests in it.
+    last_traffic: Nanos,
+    /// What the Envoy holds, as sent; `None` before the first assignment.
+    sent: Option<Sent>,
+    /// Until when what the Envoy may admit under `sent` is paid.
+    paid_until: Nanos,
+    /// The last grant: its id and the units it left unused (handed back next round).
+    lease: (u64, u64),
+    /// The route's failure policy, from the last grant.
+    on_failure: Option<pb::FailurePolicy>,
+    /// Its part of the chain's rate, units a second, from the last grant (infinite
+    /// while unknown).
+    part: f64,
+}
+
+impl Bucket {
+    /// Folds the requests counted since the last round into the demand.
+    fn measure(&mut self, now: Nanos) {
+        let secs = now.saturating_sub(self.since) as f64 / NANOS_PER_SEC as f64;
+        if secs <= 0.0 {
+            return;
+        }
+        let latest = self.counted as f64 / secs;
+        // A swing (the latest round half again or half of the estimate) is taken at
+        // once; the noise of a few requests a round is smoothed, so that it does not
+        // change the bucket (each change costs a full new bucket).
+        let swing = latest > self.demand * 1.5 || latest < self.demand * 0.5;
+        self.demand = if (self.sent.is_none() && self.demand == 0.0) || swing {
+            latest
+        } else {
+            DEMAND_WEIGHT * latest + (1.0 - DEMAND_WEIGHT) * self.demand
+        };
+        self.counted = 0;
+        self.since = now;
+    }
+
+    /// The rate it asks for: its demand with headroom, at least [`FLOOR_RATE`].
+    fn target(&self) -> f64 {
+        (self.demand * HEADROOM).max(FLOOR_RATE)
+    }
+
+    /// What keeping its token bucket until `horizon` costs (`None`: it holds none).
+    fn keep_need(&self, horizon: Nanos) -> Option<u64> {
+        match self.sent {
+            Some(s @ Sent::Tokens { .. }) => {
+                Some(units_over(s.rate(), horizon.saturating_sub(self.paid_until)))
+            }
+            _ => None,
+        }
+    }
+
+    /// The route's failure policy as an assignment: fail-open, the emergency
+    /// ceiling; fail-closed (or never known), nothing.
+    fn failure_policy(&self) -> Sent {
+        match &self.on_failure {
+            Some(p) if p.fail_open && p.emergency_amount > 0 => {
+                let period = p.emergency_period.as_ref().map_or(1, |d| d.seconds.max(1));
+                let tokens = u32::try_from(p.emergency_amount).unwrap_or(u32::MAX);
+                let fill_secs = u32::try_from(period).unwrap_or(MAX_FILL_SECS);
+                Sent::Tokens { max_tokens: tokens, tokens, fill_secs }
+            }
+            _ => Sent::Deny,
+        }
+    }
+
+    /// The assignment `units` pay for from `now` until `horizon`: `fair` (units a
+    /// second) or less, with its full bucket; and the units it uses.
+    fn choose(&self, units: u64, now: Nanos, horizon: Nanos, burst: f64, fair: f64) -> (Sent, u64) {
+        let span = horizon.saturating_sub(now) as f64 / NANOS_PER_SEC as f64;
+        let mut rate = fair.min(units as f64 / (span + burst));
+        while let Some((tokens, fill_secs)) = tokens_for(rate) {
+            let r = f64::from(tokens) / f64::from(fill_secs);
+            let max_tokens = u32::try_from(capacity(r, burst)).unwrap_or(u32::MAX);
+            let mut s = Sent::Tokens { max_tokens, tokens, fill_secs };
+            if let Some(Sent::Tokens { max_tokens: m, .. }) =
+                self.sent.filter(|o| o.same_for_envoy(s) && *o != s)
+            {
+                // Envoy would keep the old bucket and its old fill interval: differ
+                // by a token of capacity.
+                s = Sent::Tokens { max_tokens: m.saturating_add(1), tokens, fill_secs };
+            }
+            let cost = if self.sent == Some(s) {
+                // The same as held: kept, so paid as a keep.
+                units_over(r, horizon.saturating_sub(self.paid_until))
+            } else {
+                let Sent::Tokens { max_tokens: m, .. } = s else { return (Sent::Deny, 0) };
+                u64::from(m) + units_over(r, horizon.saturating_sub(now))
+            };
+            if cost <= units {
+                return (s, cost);
+            }
+            rate *= 0.9;
+        }
+        (Sent::Deny, 0)
+    }
+}
+
+/// One stream: its buckets and its rounds.
+struct Session {
+    owner: Arc<Owner>,
+    mapping: Arc<EnvoyMapping>,
+    config: RlqsConfig,
+    holder: String,
+    domain: Option<String>,
+    buckets: HashMap<String, Bucket>,
+    /// The longest recent gap between two report messages (the Envoy's reporting
+    /// interval, on our clock).
+    report_gap: Nanos,
+    last_message: Nanos,
+    tx: mpsc::Sender<Result<rlqs::RateLimitQuotaResponse, Status>>,
+}
+
+/// Counts one action sent.
+fn counted(action: &'static str, n: usize) {
+    if n > 0 {
+        metrics::counter!(ACTIONS, "action" => action).increment(n as u64);
+    }
+}
+
+fn refused(reason: &'static str) {
+    metrics::counter!(REFUSED, "reason" => reason).increment(1);
+}
+
+fn assignment(id: rlqs::BucketId, sent: Sent, ttl: Duration) -> BucketAction {
+    BucketAction {
+        bucket_id: Some(id),
+        bucket_action: Some(Action::QuotaAssignmentAction(QuotaAssignmentAction {
+            assignment_time_to_live: Some(prost_types::Duration {
+                seconds: i64::try_from(ttl.as_secs()).unwrap_or(i64::MAX),
+                nanos: 0,
+            }),
+            rate_limit_strategy: Some(sent.strategy()),
+        })),
+    }
+}
+
+fn abandon(id: rlqs::BucketId) -> BucketAction {
+    BucketAction {
+        bucket_id: Some(id),
+        bucket_action: Some(Action::AbandonAction(AbandonAction {})),
+    }
+}
+
+/// A bucket id's entries sorted by name, as one string (the bucket's identity).
+fn canonical(id: &rlqs::BucketId) -> String {
+    let mut entries: Vec<(&String, &String)> = id.bucket.iter().collect();
+    entries.sort();
+    let mut out = String::new();
+    for (k, v) in entries {
+        out.push_str(k);
+        out.push('\u{0}');
+        out.push_str(v);
+        out.push('\u{0}');
+    }
+    out
+}
+
+/// Maps a bucket id onto tenant, route and key (see the module's documentation).
+fn map_bucket(
+    m: &EnvoyMapping,
+    max_key: usize,
+    domain: &str,
+    id: &rlqs::BucketId,
+) -> Result<(String, String, Option<String>), String> {
+    let entry = |name: &str| id.bucket.get(name).map(String::as_str);
+    let (tenant, tenant_key) = match &m.tenant_from {
+        TenantFrom::Domain => (domain, None),
+        TenantFrom::Entry(k) => match entry(k) {
+            Some(t) => (t, Some(k.as_str())),
+            None => return Err(format!("has no `{k}` entry (the tenant)")),
+        },
+    };
+    let route = match (entry(&m.route_key), &m.default_route) {
+        (Some(r), _) => r,
+        (None, Some(r)) => r.as_str(),
+        (None, None) => {
+            return Err(format!(
+                "has no `{}` entry (the route) and no default route is configured",
+                m.route_key
+            ));
+        }
+    };
+    let mut entries: Vec<(&String, &String)> = id
+        .bucket
+        .iter()
+        .filter(|(k, _)| **k != m.route_key && Some(k.as_str()) != tenant_key)
+        .collect();
+    entries.sort();
+    let key = entries.iter().map(|(k, v)| format!("{k}={v}")).collect::<Vec<_>>().join("|");
+    let key = (!key.is_empty()).then(|| match super::envoy::name_from(&key, max_key) {
+        Cow::Owned(k) => k,
+        Cow::Borrowed(_) => key,
+    });
+    Ok((tenant.to_owned(), route.to_owned(), key))
+}
+
+impl Session {
+    async fn run(
+        mut self,
+        mut inbound: Streaming<rlqs::RateLimitQuotaUsageReports>,
+        stop: CancellationToken,
+    ) {
+        metrics::gauge!(STREAMS).increment(1.0);
+        let mut tick = tokio::time::interval(self.config.round);
+        tick.reset();
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let end = loop {
+            tokio::select! {
+                () = stop.cancelled() => {
+                    let all: Vec<_> =
+                        self.buckets.drain().map(|(_, b)| abandon(b.id)).collect();
+                    counted("abandon", all.len());
+                    self.send(all).await;
+                    break Some(Status::unavailable(
+                        "this node is shutting down: reconnect and subscribe again",
+                    ));
+                }
+                m = inbound.message() => match m {
+                    Ok(Some(reports)) => match self.reports(reports).await {
+                        Ok(()) => {}
+                        Err(status) => break Some(status),
+                    },
+                    Ok(None) | Err(_) => break None,
+                },
+                _ = tick.tick() => self.round(false).await,
+                () = self.tx.closed() => break None,
+            }
+        };
+        if let Some(status) = end {
+            let _ = self.tx.send(Err(status)).await;
+        }
+        metrics::gauge!(BUCKETS).decrement(self.buckets.len() as f64);
+        metrics::gauge!(STREAMS).decrement(1.0);
+    }
+
+    /// Sends `actions` in messages of at most [`ACTIONS_PER_MESSAGE`].
+    async fn send(&self, actions: Vec<BucketAction>) {
+        let mut actions = actions.into_iter().peekable();
+        while actions.peek().is_some() {
+            let chunk: Vec<_> = actions.by_ref().take(ACTIONS_PER_MESSAGE).collect();
+            let msg = rlqs::RateLimitQuotaResponse { bucket_action: chunk };
+            if self.tx.send(Ok(msg)).await.is_err() {
+                return;
+            }
+        }
+    }
+
+    /// Takes one message of reports: counts demand, subscribes new buckets (and
+    /// assigns them at once).
+    async fn reports(&mut self, r: rlqs::RateLimitQuotaUsageReports) -> Result<(), Status> {
+        match (&self.domain, r.domain.is_empty()) {
+            (None, true) => {
+                return Err(Status::invalid_argument(
+                    "domain: must be set in a stream's first report",
+                ));
+            }
+            (None, false) => {
+                if r.domain.len() > self.owner.limits().names.tenant.max(256) {
+                    return Err(Status::invalid_argument(format!(
+                        "domain: longer than {} bytes",
+                        self.owner.limits().names.tenant.max(256)
+                    )));
+                }
+                self.domain = Some(r.domain);
+            }
+            (Some(d), false) if *d != r.domain => {
+                return Err(Status::invalid_argument(format!(
+                    "domain: `{}` differs from the stream's `{}` (open a stream per domain)",
+                    limiter_core::text::shorten(&r.domain),
+                    limiter_core::text::shorten(d)
+                )));
+            }
+            _ => {}
+        }
+        let now = self.owner.clock().now();
+        if self.last_message > 0 {
+            let gap = now.saturating_sub(self.last_message);
+            self.report_gap = gap.max(self.report_gap - self.report_gap / 8);
+        }
+        self.last_message = now;
+        let mut fresh = Vec::new();
+        let mut denied = Vec::new();
+        for usage in r.bucket_quota_usages {
+            let Some(id) = usage.bucket_id.filter(|id| !id.bucket.is_empty()) else {
+                refused("invalid");
+                continue;
+            };
+            let name = canonical(&id);
+            let requests = usage.num_requests_allowed.saturating_add(usage.num_requests_denied);
+            if let Some(b) = self.buckets.get_mut(&name) {
+                b.counted = b.counted.saturating_add(requests);
+                if requests > 0 {
+                    b.last_traffic = now;
+                }
+                continue;
+            }
+            if self.buckets.len() >= self.config.max_buckets {
+                refused("over_cap");
+                denied.push(assignment(id, Sent::Deny, self.config.ttl));
+                continue;
+            }
+            match self.subscribe(id.clone(), requests, now) {
+                Ok(b) => {
+                    self.buckets.insert(name.clone(), b);
+                    metrics::gauge!(BUCKETS).increment(1.0);
+                    fresh.push(name);
+                }
+                Err(why) => {
+                    refused("invalid");
+                    tracing::debug!(bucket = %limiter_core::text::shorten(&name), %why, "RLQS bucket denied");
+                    denied.push(assignment(id, Sent::Deny, self.config.ttl));
+                }
+            }
+        }
+        counted("deny", denied.len());
+        self.send(denied).await;
+        if !fresh.is_empty() {
+            self.round(true).await;
+        }
+        Ok(())
+    }
+
+    fn subscribe(&self, id: rlqs::BucketId, requests: u64, now: Nanos) -> Result<Bucket, String> {
+        let domain = self.domain.as_deref().unwrap_or_default();
+        let names = &self.owner.limits().names;
+        let (tenant, route, key) = map_bucket(&self.mapping, names.key, domain, &id)?;
+        let probe = Request {
+            tenant: &tenant,
+            route: &route,
+            key: key.as_deref(),
+            cost: Some(1),
+            dry_run: true,
+        };
+        self.owner.validate(std::iter::once(probe)).map_err(|(_, e)| e.to_string())?;
+        Ok(Bucket {
+            id,
+            tenant,
+            route,
+            key,
+            counted: requests,
+            since: now,
+            demand: 0.0,
+            last_traffic: now,
+            sent: None,
+            paid_until: now,
+            lease: (0, 0),
+            on_failure: None,
+            part: f64::INFINITY,
+        })
+    }
+
+    /// The TTL sent: `rlqs.ttl_s`, or more whole seconds where the Envoy reports
+    /// less often than every half of it.
+    fn ttl(&self) -> Duration {
+        let twice = Duration::from_nanos(self.report_gap.saturating_mul(2));
+        self.config
+            .ttl
+            .max(Duration::from_secs(twice.as_secs() + u64::from(twice.subsec_nanos() > 0)))
+    }
+
+    /// One round: pays for what every bucket's assignment lets its Envoy admit until
+    /// the next round (and its delivery), and sends them (`fresh_only`: the buckets
+    /// not yet assigned, right after they subscribed).
+    async fn round(&mut self, fresh_only: bool) {
+        let now = self.owner.clock().now();
+        let ttl = self.ttl();
+        let horizon = now.saturating_add(nanos(self.config.round) + nanos(self.config.slack));
+        let burst = self.config.burst.as_secs_f64();
+        let period_nanos = horizon.saturating_sub(now) + nanos(self.config.burst);
+        let period = period_nanos as f64 / NANOS_PER_SEC as f64;
+        let mut actions = Vec::new();
+        if !fresh_only {
+            self.abandon_idle(now, &mut actions);
+        }
+        // What each bucket asks for: enough to keep what it holds, and enough for the
+        // rate it wants as a new bucket; the grant decides which it gets.
+        let mut plan: Vec<(String, Option<u64>)> = Vec::new();
+        let mut items = Vec::new();
+        for (name, b) in &mut self.buckets {
+            if fresh_only && b.sent.is_some() {
+                continue;
+            }
+            if !fresh_only {
+                b.measure(now);
+            }
+            let keep_need = b.keep_need(horizon);
+            // Asked for: what keeping costs while what it holds is within a tenth of
+            // what it should hold (its demand, within its part of the rate as last
+            // granted); else what a new bucket at that rate costs. Units asked for
+            // and not used are out of reach of the others until the next round.
+            let fair = b.target().min(b.part);
+            let keeps = b.sent.is_some_and(|s| {
+                s != Sent::Deny && s.rate() <= fair * KEEP_WITHIN && s.rate() * KEEP_WITHIN >= fair
+            });
+            let want = match keep_need {
+                Some(need) if keeps => need,
+                _ => capacity(fair, burst) + units_over(fair, horizon.saturating_sub(now)),
+            };
+            plan.push((name.clone(), keep_need));
+            items.push(pb::LeaseItem {
+                tenant: b.tenant.clone(),
+                route: b.route.clone(),
+                key: b.key.clone().unwrap_or_default(),
+                lease_id: b.lease.0,
+                unspent: b.lease.1,
+                want: want.max(1),
+                cost: 0,
+                demand_per_sec: units_over(b.demand, NANOS_PER_SEC),
+                demand_milli: units_over(b.demand * 1_000.0, NANOS_PER_SEC),
+                // The time its ask pays for: the owner caps it at its part of the
+                // chain's rate over it.
+                renews_within: Some(crate::convert::duration(period_nanos)),
+                rates: true,
+                ..Default::default()
+            });
+        }
+        let grants = self.pay(items).await;
+        let (mut assigned, mut extended, mut deny, mut fallback) = (0, 0, 0, 0);
+        let mut paid = 0u64;
+        for ((name, keep_need), grant) in plan.into_iter().zip(grants) {
+            let Some(b) = self.buckets.get_mut(&name) else { continue };
+            let Some(g) = grant else {
+                // The owner could not be reached: the route's failure policy, for as
+                // long as an assignment lives.
+                b.lease = (0, 0);
+                let sent = b.failure_policy();
+                fallback += 1;
+                b.sent = Some(sent);
+                actions.push(assignment(b.id.clone(), sent, ttl));
+                continue;
+            };
+            if g.on_failure.is_some() {
+                b.on_failure = g.on_failure;
+            }
+            let units = g.units;
+            // Its part of the chain's rate (the owner's, by demand), over what its ask
+            // paid for; what it should hold is that or its demand, the lower.
+            b.part = if g.rate_part > 0 { g.rate_part as f64 / period } else { f64::INFINITY };
+            let fair = b.target().min(b.part);
+            let (changed, used) = b.choose(units, now, horizon, burst, fair);
+            let (sent, used) = match (b.sent, keep_need) {
+                // What it holds is paid for: kept unless it is over its part by more
+                // than a quarter (it must come down, to nothing if a smaller bucket is
+                // not affordable: its part is the others'), or a new bucket would
+                // buy more than a tenth more (a change costs a full new bucket).
+                (Some(held), Some(need))
+                    if units >= need
+                        && held.rate() <= fair * COME_DOWN
+                        && changed.rate() <= held.rate() * KEEP_WITHIN =>
+                {
+                    (held, need)
+                }
+                _ => (changed, used),
+            };
+            paid += used;
+            b.lease = (g.lease_id, units - used);
+            // Paid until when: whole units buy a little past the horizon, which the
+            // next round need not pay again (a slow rate would otherwise pay a unit
+            // every round).
+            b.paid_until = match sent {
+                Sent::Deny => {
+                    deny += 1;
+                    now
+                }
+                _ if b.sent == Some(sent) => {
+                    extended += 1;
+                    b.paid_until.saturating_add(nanos_for(used, sent.rate()))
+                }
+                Sent::Tokens { max_tokens, .. } => {
+                    assigned += 1;
+                    now.saturating_add(nanos_for(used - u64::from(max_tokens), sent.rate()))
+                }
+            };
+            b.sent = Some(sent);
+            actions.push(assignment(b.id.clone(), sent, ttl));
+        }
+        metrics::counter!(PAID).increment(paid);
+        counted("assign", assigned);
+        counted("extend", extended);
+        counted("deny", deny);
+        counted("fallback", fallback);
+        self.send(actions).await;
+    }
+
+    /// Abandons the buckets with no requests for `rlqs.idle_ms`.
+    fn abandon_idle(&mut self, now: Nanos, actions: &mut Vec<BucketAction>) {
+        let idle = nanos(self.config.idle);
+        let gone: Vec<String> = self
+            .buckets
+            .iter()
+            .filter(|(_, b)| b.counted == 0 && now.saturating_sub(b.last_traffic) >= idle)
+            .map(|(n, _)| n.clone())
+            .collect();
+        counted("abandon", gone.len());
+        for n in gone {
+            if let Some(b) = self.buckets.remove(&n) {
+                metrics::gauge!(BUCKETS).decrement(1.0);
+                actions.push(abandon(b.id));
+            }
+        }
+    }
+
+    /// One lease call per owner batch: a grant per item, `None` where the owner could
+    /// not be reached or refused the item.
+    async fn pay(&self, items: Vec<pb::LeaseItem>) -> Vec<Option<pb::LeaseGrant>> {
+        let mut out = Vec::with_capacity(items.len());
+        let batch = self.owner.limits().max_batch.max(1);
+        let mut items = items.into_iter().peekable();
+        while items.peek().is_some() {
+            let chunk: Vec<_> = items.by_ref().take(batch).collect();
+            let n = chunk.len();
+            let req = pb::LeaseRequest { agent_id: self.holder.clone(), items: chunk, epoch: 0 };
+            match super::routing::lease_routed(&self.owner, &req, 0).await {
+                Ok(grants) if grants.len() == n => {
+                    out.extend(grants.into_iter().map(|g| g.redirect.is_empty().then_some(g)));
+                }
+                Ok(_) | Err(_) => out.extend(std::iter::repeat_n(None, n)),
+            }
+        }
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_rate_is_whole_tokens_over_whole_seconds_never_above_it() {
+        assert_eq!(tokens_for(150.0), Some((150, 1)));
+        assert_eq!(tokens_for(0.5), Some((1, 2)));
+        // 2.5 a second: 5 every 2 s.
+        assert_eq!(tokens_for(2.5), Some((5, 2)));
+        assert_eq!(tokens_for(1.0 / 120.0), None);
+        for r in [0.02, 0.3, 1.7, 33.3, 1234.5] {
+            let (t, s) = tokens_for(r).unwrap();
+            let got = f64::from(t) / f64::from(s);
+            assert!(got <= r && got >= r * 0.9, "{r}: {t}/{s}");
+        }
+    }
+
+    #[test]
+    fn envoy_tells_buckets_apart_by_capacity_and_tokens_only() {
+        let a = Sent::Tokens { max_tokens: 5, tokens: 10, fill_secs: 1 };
+        let b = Sent::Tokens { max_tokens: 5, tokens: 10, fill_secs: 2 };
+        assert!(a.same_for_envoy(b));
+        assert!(!a.same_for_envoy(Sent::Tokens { max_tokens: 6, tokens: 10, fill_secs: 1 }));
+        assert!(!a.same_for_envoy(Sent::Deny));
+    }
+
+    #[test]
+    fn a_bucket_id_maps_in_any_order_of_its_entries() {
+        let m = EnvoyMapping {
+            tenant_from: TenantFrom::Domain,
+            route_key: "route".into(),
+            default_route: None,
+            descriptor_limits: crate::config::DescriptorLimits::Ignore,
+        };
+        let id = |pairs: &[(&str, &str)]| rlqs::BucketId {
+            bucket: pairs.iter().map(|(k, v)| ((*k).to_owned(), (*v).to_owned())).collect(),
+        };
+        let a = id(&[("route", "/api"), ("user", "u1"), ("plan", "gold")]);
+        let (t, r, k) = map_bucket(&m, 256, "acme", &a).unwrap();
+        assert_eq!(
+            (t.as_str(), r.as_str(), k.as_deref()),
+            ("acme", "/api", Some("plan=gold|user=u1"))
+        );
+        let b = id(&[("plan", "gold"), ("user", "u1"), ("route", "/api")]);
+        assert_eq!(canonical(&a), canonical(&b));
+        let err = map_bucket(&m, 256, "acme", &id(&[("user", "u1")])).unwrap_err();
+        assert!(err.contains("`route`"), "{err}");
+    }
+}

@@ -1,0 +1,433 @@
+//! A simulated Envoy `rate_limit_quota` filter: an RLQS client that behaves as
+//! Envoy's implementation does, so that a fleet of Envoys can be measured without an
+//! Envoy binary.
+//!
+//! What it copies of Envoy (its `rate_limit_quota` filter's client):
+//! - one stream per process and domain, opened by the first bucket and reopened on
+//!   the next report after it ends; every bucket it tracks is reported each
+//!   `reporting_interval`, and a new bucket at once, by itself (its first report is
+//!   its subscription);
+//! - each request takes one token; `time_elapsed` is whole seconds (so often 0);
+//! - an assignment's TTL is read in whole seconds (a fraction is dropped: under a
+//!   second expires at once); unset, it never expires;
+//! - a token bucket refills continuously at `tokens_per_fill` over the fill
+//!   interval's whole seconds (0 seconds divides by zero: an endless rate); a new
+//!   bucket starts full;
+//! - a token bucket equal to the one held in `max_tokens`, `tokens_per_fill` and the
+//!   fill interval's nanoseconds (only) is kept with its tokens and its TTL
+//!   extended; anything else replaces it;
+//! - `requests_per_time_unit` is not supported: the action is dropped;
+//! - abandon erases the bucket (its next request subscribes again);
+//! - before any assignment, and after one expired without a fallback, the
+//!   no-assignment behaviour decides; after expiry, the fallback if configured.
+//!
+//! Every admission under a token bucket is recorded with when that bucket was
+//! created, for the judge: what it admits was paid for no earlier than the
+//! assignment that created the bucket was sent.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use limiter_core::clock::{Clock, NANOS_PER_SEC, Nanos};
+use limiter_proto::envoy::service::rate_limit_quota::v3 as rlqs;
+use limiter_proto::envoy::r#type::v3::rate_limit_strategy::{BlanketRule, Strategy};
+use parking_lot::Mutex;
+use rlqs::rate_limit_quota_response::bucket_action::BucketAction as Action;
+use rlqs::rate_limit_quota_service_client::RateLimitQuotaServiceClient;
+use rlqs::rate_limit_quota_usage_reports::BucketQuotaUsage;
+use tokio::sync::mpsc;
+use tokio_util::sync::CancellationToken;
+
+/// What a simulated Envoy does where no assignment applies.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Blanket {
+    /// Admit.
+    Allow,
+    /// Refuse.
+    Deny,
+}
+
+/// A simulated Envoy's filter configuration.
+#[derive(Debug, Clone)]
+pub struct EnvoyConfig {
+    /// The RLQS server, `http://host:port`.
+    pub url: String,
+    /// The stream's domain.
+    pub domain: String,
+    /// How often every bucket is reported.
+    pub reporting_interval: Duration,
+    /// Before the first assignment (and after abandon).
+    pub no_assignment: Blanket,
+    /// After an assignment expired; `None`: the no-assignment behaviour.
+    pub expired: Option<Blanket>,
+}
+
+/// One admission under a token bucket.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Admitted {
+    /// When it was admitted.
+    pub at: Nanos,
+    /// When the token bucket it came from was created (its assignment received).
+    pub bucket_since: Nanos,
+}
+
+/// What a simulated Envoy counted for one bucket.
+#[derive(Debug, Clone, Default)]
+pub struct BucketLog {
+    /// Admissions under a token bucket.
+    pub admitted: Vec<Admitted>,
+    /// Admitted by a blanket rule or a no-assignment/expired behaviour.
+    pub admitted_blanket: u64,
+    /// Refused.
+    pub denied: u64,
+    /// Token buckets created (first assignments and changes).
+    pub buckets_created: u64,
+    /// Assignments received.
+    pub assignments: u64,
+    /// Abandons received.
+    pub abandoned: u64,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Tokens {
+    max: f64,
+    /// Tokens a second (infinite for a fill interval under a second).
+    rate: f64,
+    tokens: f64,
+    last: Nanos,
+    since: Nanos,
+    /// As Envoy compares: max tokens, tokens per fill, fill interval nanoseconds.
+    identity: (u32, u32, i32),
+}
+
+impl Tokens {
+    fn take(&mut self, now: Nanos) -> bool {
+        let dt = now.saturating_sub(self.last) as f64 / NANOS_PER_SEC as f64;
+        self.last = now;
+        self.tokens = (self.tokens + dt * self.rate).min(self.max);
+        if self.tokens >= 1.0 {
+            self.tokens -= 1.0;
+            true
+        } else {
+            false
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy)]
+enum Held {
+    Blanket(Blanket),
+    Tokens(Tokens),
+}
+
+#[derive(Debug)]
+struct Bucket {
+    id: rlqs::BucketId,
+    allowed: u64,
+    denied: u64,
+    last_report: Nanos,
+    held: Option<Held>,
+    /// When the held assignment expires (`None`: never).
+    expires: Option<Nanos>,
+}
+
+#[derive(Debug, Default)]
+struct State {
+    buckets: HashMap<String, Bucket>,
+    logs: HashMap<String, BucketLog>,
+    /// Report messages sent.
+    reports: u64,
+    /// Streams opened.
+    streams: u64,
+}
+
+/// A simulated Envoy process.
+pub struct Envoy {
+    config: EnvoyConfig,
+    clock: Arc<dyn Clock>,
+    state: Arc<Mutex<State>>,
+    /// Reports to send at once (a new bucket's).
+    urgent: mpsc::UnboundedSender<rlqs::RateLimitQuotaUsageReports>,
+    stop: CancellationToken,
+}
+
+impl std::fmt::Debug for Envoy {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Envoy").field("config", &self.config).finish_non_exhaustive()
+    }
+}
+
+/// A bucket id from its entries.
+pub fn bucket_id(entries: &[(&str, &str)]) -> rlqs::BucketId {
+    rlqs::BucketId {
+        bucket: entries.iter().map(|(k, v)| ((*k).to_owned(), (*v).to_owned())).collect(),
+    }
+}
+
+/// A bucket id's entries sorted, as one string.
+pub fn bucket_name(id: &rlqs::BucketId) -> String {
+    let mut e: Vec<_> = id.bucket.iter().map(|(k, v)| format!("{k}={v}")).collect();
+    e.sort();
+    e.join(",")
+}
+
+impl Envoy {
+    /// Starts the simulated Envoy (its reporting task); the stream opens with the
+    /// first bucket.
+    ///
+    /// # Errors
+    ///
+    /// A malformed URL.
+    pub fn start(config: EnvoyConfig, clock: Arc<dyn Clock>) -> anyhow::Result<Arc<Self>> {
+        let channel = crate::target::channel(&config.url)?;
+        let (urgent, rx) = mpsc::unbounded_channel();
+        let envoy = Arc::new(Self {
+            config,
+            clock,
+            state: Arc::default(),
+            urgent,
+            stop: CancellationToken::new(),
+        });
+        tokio::spawn(envoy.clone().stream_loop(RateLimitQuotaServiceClient::new(channel), rx));
+        Ok(envoy)
+    }
+
+    /// Stops reporting and closes the stream.
+    pub fn stop(&self) {
+        self.stop.cancel();
+    }
+
+    /// Decides one request matched into bucket `id`.
+    pub fn decide(&self, id: &rlqs::BucketId) -> bool {
+        let now = self.clock.now();
+        let name = bucket_name(id);
+        let mut st = self.state.lock();
+        let st = &mut *st;
+        let Some(b) = st.buckets.get_mut(&name) else {
+            // A new bucket: the no-assignment behaviour, and a report at once.
+            let allowed = self.config.no_assignment == Blanket::Allow;
+            st.buckets.insert(
+                name.clone(),
+                Bucket {
+                    id: id.clone(),
+                    allowed: 0,
+                    denied: 0,
+                    last_report: now,
+                    held: None,
+                    expires: None,
+                },
+            );
+            let log = st.logs.entry(name).or_default();
+            if allowed {
+                log.admitted_blanket += 1;
+            } else {
+                log.denied += 1;
+            }
+            st.reports += 1;
+            let _ = self.urgent.send(rlqs::RateLimitQuotaUsageReports {
+                domain: self.config.domain.clone(),
+                bucket_quota_usages: vec![BucketQuotaUsage {
+                    bucket_id: Some(id.clone()),
+                    time_elapsed: Some(prost_types::Duration { seconds: 0, nanos: 0 }),
+                    num_requests_allowed: u64::from(allowed),
+                    num_requests_denied: u64::from(!allowed),
+                    last_report: None,
+                }],
+            });
+            return allowed;
+        };
+        let log = st.logs.entry(name).or_default();
+        let expired = b.expires.is_some_and(|e| now >= e);
+        let rule = match (&mut b.held, expired) {
+            (Some(Held::Tokens(t)), false) => {
+                let ok = t.take(now);
+                if ok {
+                    log.admitted.push(Admitted { at: now, bucket_since: t.since });
+                    b.allowed += 1;
+                } else {
+                    log.denied += 1;
+                    b.denied += 1;
+                }
+                return ok;
+            }
+            (Some(Held::Blanket(r)), false) => *r,
+            (Some(_), true) => self.config.expired.unwrap_or(self.config.no_assignment),
+            (None, _) => self.config.no_assignment,
+        };
+        if rule == Blanket::Allow {
+            log.admitted_blanket += 1;
+            b.allowed += 1;
+            true
+        } else {
+            log.denied += 1;
+            b.denied += 1;
+            false
+        }
+    }
+
+    /// What it counted, per bucket (by [`bucket_name`]).
+    pub fn logs(&self) -> HashMap<String, BucketLog> {
+        self.state.lock().logs.clone()
+    }
+
+    /// Report messages sent and streams opened.
+    pub fn counts(&self) -> (u64, u64) {
+        let st = self.state.lock();
+        (st.reports, st.streams)
+    }
+
+    /// Buckets tracked now.
+    pub fn buckets(&self) -> usize {
+        self.state.lock().buckets.len()
+    }
+
+    /// Every bucket's usage since its last report, reset.
+    fn report_all(&self) -> Option<rlqs::RateLimitQuotaUsageReports> {
+        let now = self.clock.now();
+        let mut st = self.state.lock();
+        if st.buckets.is_empty() {
+            return None;
+        }
+        let usages = st
+            .buckets
+            .values_mut()
+            .map(|b| {
+                let elapsed = now.saturating_sub(b.last_report) / NANOS_PER_SEC;
+                b.last_report = now;
+                BucketQuotaUsage {
+                    bucket_id: Some(b.id.clone()),
+                    time_elapsed: Some(prost_types::Duration {
+                        seconds: i64::try_from(elapsed).unwrap_or(i64::MAX),
+                        nanos: 0,
+                    }),
+                    num_requests_allowed: std::mem::take(&mut b.allowed),
+                    num_requests_denied: std::mem::take(&mut b.denied),
+                    last_report: None,
+                }
+            })
+            .collect();
+        st.reports += 1;
+        Some(rlqs::RateLimitQuotaUsageReports {
+            domain: self.config.domain.clone(),
+            bucket_quota_usages: usages,
+        })
+    }
+
+    /// Applies one response's actions, in order.
+    fn apply(&self, response: rlqs::RateLimitQuotaResponse) {
+        let now = self.clock.now();
+        let mut st = self.state.lock();
+        let st = &mut *st;
+        for action in response.bucket_action {
+            let Some(id) = action.bucket_id.filter(|i| !i.bucket.is_empty()) else { continue };
+            let name = bucket_name(&id);
+            let Some(b) = st.buckets.get_mut(&name) else { continue };
+            let log = st.logs.entry(name.clone()).or_default();
+            match action.bucket_action {
+                Some(Action::AbandonAction(_)) => {
+                    log.abandoned += 1;
+                    st.buckets.remove(&name);
+                }
+                Some(Action::QuotaAssignmentAction(a)) => {
+                    let held = match a.rate_limit_strategy.and_then(|s| s.strategy) {
+                        // Unset: allow all.
+                        None => Held::Blanket(Blanket::Allow),
+                        Some(Strategy::BlanketRule(r)) => {
+                            Held::Blanket(if r == BlanketRule::DenyAll as i32 {
+                                Blanket::Deny
+                            } else {
+                                Blanket::Allow
+                            })
+                        }
+                        // Not supported by Envoy: the action is dropped.
+                        Some(Strategy::RequestsPerTimeUnit(_)) => continue,
+                        Some(Strategy::TokenBucket(tb)) => {
+                            let per_fill = tb.tokens_per_fill.unwrap_or(1);
+                            let interval = tb.fill_interval.unwrap_or_default();
+                            let identity = (tb.max_tokens, per_fill, interval.nanos);
+                            let live = b.expires.is_none_or(|e| now < e);
+                            match b.held {
+                                Some(Held::Tokens(t)) if t.identity == identity && live => {
+                                    Held::Tokens(t)
+                                }
+                                _ => {
+                                    let secs = interval.seconds.max(0) as f64;
+                                    log.buckets_created += 1;
+                                    Held::Tokens(Tokens {
+                                        max: f64::from(tb.max_tokens),
+                                        rate: f64::from(per_fill) / secs,
+                                        tokens: f64::from(tb.max_tokens),
+                                        last: now,
+                                        since: now,
+                                        identity,
+                                    })
+                                }
+                            }
+                        }
+                    };
+                    log.assignments += 1;
+                    b.held = Some(held);
+                    b.expires = a.assignment_time_to_live.map(|ttl| {
+                        now + u64::try_from(ttl.seconds.max(0)).unwrap_or(0) * NANOS_PER_SEC
+                    });
+                }
+                None => {}
+            }
+        }
+    }
+
+    async fn stream_loop(
+        self: Arc<Self>,
+        mut client: RateLimitQuotaServiceClient<tonic::transport::Channel>,
+        mut urgent: mpsc::UnboundedReceiver<rlqs::RateLimitQuotaUsageReports>,
+    ) {
+        let mut tick = tokio::time::interval(self.config.reporting_interval);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        // The open stream's sender, if any.
+        let mut out: Option<mpsc::UnboundedSender<rlqs::RateLimitQuotaUsageReports>> = None;
+        let (ended_tx, mut ended) = mpsc::unbounded_channel::<()>();
+        loop {
+            let report = tokio::select! {
+                () = self.stop.cancelled() => return,
+                _ = ended.recv() => {
+                    out = None;
+                    continue;
+                }
+                _ = tick.tick() => match self.report_all() {
+                    Some(r) => r,
+                    None => continue,
+                },
+                r = urgent.recv() => match r {
+                    Some(r) => r,
+                    None => return,
+                },
+            };
+            if out.as_ref().is_none_or(mpsc::UnboundedSender::is_closed) {
+                // (Re)open the stream with this report.
+                let (tx, rx) = mpsc::unbounded_channel();
+                let stream = tokio_stream::wrappers::UnboundedReceiverStream::new(rx);
+                let _ = tx.send(report);
+                match client.stream_rate_limit_quotas(stream).await {
+                    Ok(resp) => {
+                        self.state.lock().streams += 1;
+                        out = Some(tx);
+                        let (me, ended_tx) = (self.clone(), ended_tx.clone());
+                        let mut inbound = resp.into_inner();
+                        tokio::spawn(async move {
+                            while let Ok(Some(msg)) = inbound.message().await {
+                                me.apply(msg);
+                            }
+                            let _ = ended_tx.send(());
+                        });
+                    }
+                    Err(_) => out = None,
+                }
+                continue;
+            }
+            if let Some(tx) = &out {
+                let _ = tx.send(report);
+            }
+        }
+    }
+}

@@ -40,6 +40,23 @@ fn every_bad_value_is_reported_at_once() {
 }
 
 #[test]
+fn an_rlqs_ttl_shorter_than_two_rounds_is_refused() {
+    let load = |pairs: &[(&str, &str)]| {
+        let mut all = vec![("LIMITER__POLICY_FILE", "p.yaml")];
+        all.extend_from_slice(pairs);
+        ServerConfig::load_with_env(None, env(&all))
+    };
+    let c = load(&[]).unwrap();
+    assert_eq!((c.rlqs.round, c.rlqs.ttl), (Duration::from_millis(500), Duration::from_secs(2)));
+    let text = load(&[("LIMITER__RLQS__TTL_S", "1"), ("LIMITER__RLQS__ROUND_MS", "800")])
+        .unwrap_err()
+        .to_string();
+    assert!(text.contains("rlqs.ttl_s: must be at least two rounds"), "{text}");
+    let text = load(&[("LIMITER__RLQS__MAX_BUCKETS", "0")]).unwrap_err().to_string();
+    assert!(text.contains("rlqs.max_buckets: must be between 1"), "{text}");
+}
+
+#[test]
 fn security_settings_are_checked_together() {
     let load = |pairs: &[(&str, &str)]| {
         let mut all = vec![("LIMITER__POLICY_FILE", "p.yaml")];

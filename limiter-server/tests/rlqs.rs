@@ -1,0 +1,293 @@
+//! Envoy's Rate Limit Quota Service, spoken with the protocol's own messages: what a
+//! first report subscribes, what an assignment looks like to Envoy (whole seconds,
+//! a token bucket Envoy can build), what bad reports get, and what a stream sees when
+//! its buckets go idle or its node drains.
+
+mod common;
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use common::TestServer;
+use limiter_proto::envoy::service::rate_limit_quota::v3 as rlqs;
+use limiter_proto::envoy::r#type::v3::rate_limit_strategy::{BlanketRule, Strategy};
+use rlqs::rate_limit_quota_response::BucketAction;
+use rlqs::rate_limit_quota_response::bucket_action::BucketAction as Action;
+use rlqs::rate_limit_quota_service_client::RateLimitQuotaServiceClient;
+use rlqs::rate_limit_quota_usage_reports::BucketQuotaUsage;
+use tokio::sync::mpsc;
+
+const POLICY: &str = "version: 1
+tenants:
+  acme:
+    routes:
+      /api: { algorithm: token_bucket, rate: 100/s, burst: 100 }
+";
+
+/// Fast rounds, so that the tests take little time.
+const FAST: &[(&str, &str)] = &[
+    ("LIMITER__RLQS__ROUND_MS", "200"),
+    ("LIMITER__RLQS__TTL_S", "1"),
+    ("LIMITER__RLQS__IDLE_MS", "1000"),
+];
+
+fn id(entries: &[(&str, &str)]) -> rlqs::BucketId {
+    rlqs::BucketId {
+        bucket: entries.iter().map(|(k, v)| ((*k).to_owned(), (*v).to_owned())).collect(),
+    }
+}
+
+fn usage(id: &rlqs::BucketId, allowed: u64, denied: u64) -> BucketQuotaUsage {
+    BucketQuotaUsage {
+        bucket_id: Some(id.clone()),
+        time_elapsed: Some(prost_types::Duration { seconds: 0, nanos: 0 }),
+        num_requests_allowed: allowed,
+        num_requests_denied: denied,
+        last_report: None,
+    }
+}
+
+fn reports(domain: &str, usages: Vec<BucketQuotaUsage>) -> rlqs::RateLimitQuotaUsageReports {
+    rlqs::RateLimitQuotaUsageReports { domain: domain.to_owned(), bucket_quota_usages: usages }
+}
+
+/// One RLQS stream, as an Envoy holds it.
+struct Stream {
+    tx: mpsc::UnboundedSender<rlqs::RateLimitQuotaUsageReports>,
+    rx: tonic::Streaming<rlqs::RateLimitQuotaResponse>,
+}
+
+impl Stream {
+    async fn open(server: &TestServer, first: rlqs::RateLimitQuotaUsageReports) -> Self {
+        let mut client =
+            RateLimitQuotaServiceClient::connect(format!("http://{}", server.grpc)).await.unwrap();
+        let (tx, rx) = mpsc::unbounded_channel();
+        tx.send(first).unwrap();
+        let stream = tokio_stream::wrappers::UnboundedReceiverStream::new(rx);
+        let rx = client.stream_rate_limit_quotas(stream).await.unwrap().into_inner();
+        Self { tx, rx }
+    }
+
+    fn send(&self, r: rlqs::RateLimitQuotaUsageReports) {
+        self.tx.send(r).unwrap();
+    }
+
+    /// The next message's actions, or the status the stream ended with.
+    async fn next(&mut self) -> Result<Vec<BucketAction>, tonic::Status> {
+        match tokio::time::timeout(Duration::from_secs(5), self.rx.message()).await {
+            Ok(Ok(Some(m))) => Ok(m.bucket_action),
+            Ok(Ok(None)) => Err(tonic::Status::ok("ended")),
+            Ok(Err(s)) => Err(s),
+            Err(_) => panic!("no message within 5 s"),
+        }
+    }
+}
+
+/// What an action does to Envoy, in short.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Seen {
+    Tokens { max_tokens: u32, per_fill: u32, fill_secs: i64, ttl_secs: i64 },
+    Deny { ttl_secs: i64 },
+    Abandon,
+    Other(String),
+}
+
+fn seen(a: &BucketAction) -> Seen {
+    match &a.bucket_action {
+        Some(Action::AbandonAction(_)) => Seen::Abandon,
+        Some(Action::QuotaAssignmentAction(q)) => {
+            let ttl = q.assignment_time_to_live.unwrap_or_default();
+            assert_eq!(ttl.nanos, 0, "Envoy reads whole seconds of a TTL only");
+            match q.rate_limit_strategy.as_ref().and_then(|s| s.strategy.as_ref()) {
+                Some(Strategy::TokenBucket(tb)) => {
+                    let fill = tb.fill_interval.unwrap_or_default();
+                    assert_eq!(fill.nanos, 0, "Envoy reads whole seconds of a fill interval");
+                    Seen::Tokens {
+                        max_tokens: tb.max_tokens,
+                        per_fill: tb.tokens_per_fill.unwrap_or(1),
+                        fill_secs: fill.seconds,
+                        ttl_secs: ttl.seconds,
+                    }
+                }
+                Some(Strategy::BlanketRule(r)) if *r == BlanketRule::DenyAll as i32 => {
+                    Seen::Deny { ttl_secs: ttl.seconds }
+                }
+                other => Seen::Other(format!("{other:?}")),
+            }
+        }
+        None => Seen::Other("no action".into()),
+    }
+}
+
+/// Every action received until `until` returns true for what was seen so far, by
+/// bucket id (its entries sorted).
+async fn collect(
+    s: &mut Stream,
+    mut until: impl FnMut(&HashMap<String, Vec<Seen>>) -> bool,
+) -> HashMap<String, Vec<Seen>> {
+    let mut all: HashMap<String, Vec<Seen>> = HashMap::new();
+    while !until(&all) {
+        for a in s.next().await.expect("the stream goes on") {
+            let mut e: Vec<_> = a
+                .bucket_id
+                .as_ref()
+                .unwrap()
+                .bucket
+                .iter()
+                .map(|(k, v)| format!("{k}={v}"))
+                .collect();
+            e.sort();
+            all.entry(e.join(",")).or_default().push(seen(&a));
+        }
+    }
+    all
+}
+
+#[tokio::test]
+async fn a_first_report_subscribes_and_its_bucket_is_a_token_bucket_envoy_can_build() {
+    let server = TestServer::start_with(POLICY, FAST).await;
+    let bucket = id(&[("route", "/api"), ("user", "u1")]);
+    let mut s = Stream::open(&server, reports("acme", vec![usage(&bucket, 1, 0)])).await;
+    // Assigned at once, before the first round.
+    let first = s.next().await.unwrap();
+    assert_eq!(first.len(), 1);
+    assert_eq!(first[0].bucket_id.as_ref(), Some(&bucket));
+    let Seen::Tokens { max_tokens, per_fill, fill_secs, ttl_secs } = seen(&first[0]) else {
+        panic!("{:?}", seen(&first[0]));
+    };
+    assert!(max_tokens >= 1 && per_fill >= 1, "{max_tokens} {per_fill}");
+    assert!(fill_secs >= 1, "a fill interval under a second divides by zero in Envoy");
+    assert!(ttl_secs >= 1, "a TTL under a second expires at once in Envoy");
+    // Envoy reports every interval; at 80 a second the rate follows the demand, and
+    // the same bucket is re-sent each round to extend its TTL.
+    let reporter = {
+        let tx = s.tx.clone();
+        let bucket = bucket.clone();
+        tokio::spawn(async move {
+            loop {
+                tokio::time::sleep(Duration::from_millis(200)).await;
+                if tx.send(reports("acme", vec![usage(&bucket, 16, 0)])).is_err() {
+                    return;
+                }
+            }
+        })
+    };
+    let all =
+        collect(&mut s, |all| all.get("route=/api,user=u1").is_some_and(|v| v.len() >= 12)).await;
+    reporter.abort();
+    let seen = &all["route=/api,user=u1"];
+    let rates: Vec<f64> = seen
+        .iter()
+        .filter_map(|s| match s {
+            Seen::Tokens { per_fill, fill_secs, .. } => {
+                Some(f64::from(*per_fill) / *fill_secs as f64)
+            }
+            _ => None,
+        })
+        .collect();
+    assert_eq!(rates.len(), seen.len(), "token buckets only: {seen:?}");
+    let last = *rates.last().unwrap();
+    // Demand 80 a second, asked for with headroom, within the limit of 100.
+    assert!((80.0..=100.0).contains(&last), "{last} a second: {seen:?}");
+    // Re-sent unchanged, mostly: a change costs Envoy's bucket state.
+    let same = seen.windows(2).filter(|w| w[0] == w[1]).count();
+    assert!(same * 2 >= seen.len(), "mostly re-sent as it was: {seen:?}");
+    server.stop().await;
+}
+
+#[tokio::test]
+async fn bad_reports_are_refused_by_field_or_denied_never_passed() {
+    let server = TestServer::start_with(POLICY, FAST).await;
+    // A stream whose first report names no domain ends, naming the field.
+    let mut s =
+        Stream::open(&server, reports("", vec![usage(&id(&[("route", "/api")]), 1, 0)])).await;
+    let status = s.next().await.unwrap_err();
+    assert_eq!(status.code(), tonic::Code::InvalidArgument);
+    assert!(status.message().starts_with("domain:"), "{}", status.message());
+
+    // A bucket that maps to no route (no `route` entry, no default route) is denied;
+    // one beyond the stream's cap too; the stream and its other buckets go on.
+    let ok = id(&[("route", "/api")]);
+    let unmapped = id(&[("user", "u1")]);
+    let mut s =
+        Stream::open(&server, reports("acme", vec![usage(&ok, 1, 0), usage(&unmapped, 1, 0)]))
+            .await;
+    let all = collect(&mut s, |all| all.len() >= 2).await;
+    assert!(matches!(all["route=/api"][0], Seen::Tokens { .. }), "{all:?}");
+    assert!(matches!(all["user=u1"][0], Seen::Deny { ttl_secs } if ttl_secs >= 1), "{all:?}");
+
+    // Another domain on the same stream ends it, naming the field.
+    s.send(reports("other", vec![usage(&ok, 1, 0)]));
+    let status = loop {
+        match s.next().await {
+            Ok(_) => {}
+            Err(status) => break status,
+        }
+    };
+    assert_eq!(status.code(), tonic::Code::InvalidArgument);
+    assert!(status.message().starts_with("domain:"), "{}", status.message());
+    // The service still serves.
+    let mut s = Stream::open(&server, reports("acme", vec![usage(&ok, 1, 0)])).await;
+    assert!(matches!(seen(&s.next().await.unwrap()[0]), Seen::Tokens { .. }));
+    server.stop().await;
+}
+
+#[tokio::test]
+async fn buckets_beyond_a_streams_cap_are_denied() {
+    let env = [FAST, &[("LIMITER__RLQS__MAX_BUCKETS", "2")]].concat();
+    let server = TestServer::start_with(POLICY, &env).await;
+    let usages = (0..3)
+        .map(|i| usage(&id(&[("route", "/api"), ("user", &format!("u{i}"))]), 1, 0))
+        .collect();
+    let mut s = Stream::open(&server, reports("acme", usages)).await;
+    let all = collect(&mut s, |all| all.len() >= 3).await;
+    let denied = all.values().filter(|v| matches!(v[0], Seen::Deny { .. })).count();
+    let assigned = all.values().filter(|v| matches!(v[0], Seen::Tokens { .. })).count();
+    assert_eq!((assigned, denied), (2, 1), "{all:?}");
+    server.stop().await;
+}
+
+#[tokio::test]
+async fn an_idle_bucket_is_abandoned_and_a_draining_node_abandons_the_rest() {
+    let server = TestServer::start_with(POLICY, FAST).await;
+    let idle = id(&[("route", "/api"), ("user", "idle")]);
+    let busy = id(&[("route", "/api"), ("user", "busy")]);
+    let mut s =
+        Stream::open(&server, reports("acme", vec![usage(&idle, 1, 0), usage(&busy, 1, 0)])).await;
+    let reporter = {
+        let (tx, idle, busy) = (s.tx.clone(), idle.clone(), busy.clone());
+        tokio::spawn(async move {
+            loop {
+                tokio::time::sleep(Duration::from_millis(200)).await;
+                let r = reports("acme", vec![usage(&idle, 0, 0), usage(&busy, 3, 1)]);
+                if tx.send(r).is_err() {
+                    return;
+                }
+            }
+        })
+    };
+    // No requests for `rlqs.idle_ms` (1 s): abandoned; the busy one is not.
+    let all = collect(&mut s, |all| {
+        all.get("route=/api,user=idle").is_some_and(|v| v.contains(&Seen::Abandon))
+    })
+    .await;
+    assert!(!all["route=/api,user=busy"].contains(&Seen::Abandon), "{all:?}");
+    // Draining: the busy bucket is abandoned (its Envoy subscribes again, elsewhere)
+    // and the stream ends with UNAVAILABLE.
+    let stopping = tokio::spawn(server.stop());
+    let mut abandoned = false;
+    let status = loop {
+        match s.next().await {
+            Ok(actions) => {
+                abandoned |= actions
+                    .iter()
+                    .any(|a| a.bucket_id.as_ref() == Some(&busy) && seen(a) == Seen::Abandon);
+            }
+            Err(status) => break status,
+        }
+    };
+    reporter.abort();
+    assert!(abandoned, "the busy bucket is abandoned on drain");
+    assert_eq!(status.code(), tonic::Code::Unavailable, "{status:?}");
+    stopping.await.unwrap();
+}

@@ -117,7 +117,7 @@ impl Drop for Child {
 }
 
 /// Nanoseconds of CPU that process `pid` has used, over all its threads.
-fn cpu_ns(pid: u32) -> anyhow::Result<u64> {
+pub(crate) fn cpu_ns(pid: u32) -> anyhow::Result<u64> {
     let mut total = 0;
     for task in std::fs::read_dir(format!("/proc/{pid}/task"))? {
         let stat = std::fs::read_to_string(task?.path().join("schedstat")).unwrap_or_default();

@@ -5,6 +5,8 @@
 //! loadtest bench [--quick] [--out FILE]       the standard scenarios into BENCHMARKS.md
 //! loadtest cpu [--rate N] ...                  server CPU per decision against an
 //!                                              empty Envoy RLS server
+//! loadtest rlqs [--buckets N] [--secs N]      one simulated Envoy's RLQS stream of
+//!                                              N buckets: server memory and CPU
 //! ```
 //!
 //! The same binary is the server nodes and gateway processes a run starts
@@ -20,7 +22,8 @@ const USAGE: &str = "usage:
   loadtest bench [--quick] [--out FILE] [--charts DIR]
   loadtest cpu [--rate N] [--tenants N] [--secs N] [--rounds N] [--in-flight N]
                [--set LIMITER__KEY=VALUE]...
-  loadtest replication [--tenants N] [--secs N] [--rounds N] [--in-flight N]";
+  loadtest replication [--tenants N] [--secs N] [--rounds N] [--in-flight N]
+  loadtest rlqs [--buckets N] [--secs N]";
 
 fn main() -> ExitCode {
     match std::env::var(loadtest::procs::ROLE).as_deref() {
@@ -51,6 +54,7 @@ fn main() -> ExitCode {
         Some("bench") => bench(&args[1..]),
         Some("cpu") => cpu(&args[1..]),
         Some("replication") => replication(&args[1..]),
+        Some("rlqs") => rlqs(&args[1..]),
         Some("-h" | "--help") => {
             println!("{USAGE}");
             return ExitCode::SUCCESS;
@@ -140,6 +144,27 @@ fn replication(args: &[String]) -> anyhow::Result<()> {
     let md = runtime()?.block_on(loadtest::replication::run(&o, &dir));
     let _ = std::fs::remove_dir_all(&dir);
     println!("{}", md?);
+    Ok(())
+}
+
+fn rlqs(args: &[String]) -> anyhow::Result<()> {
+    let (mut buckets, mut secs) = (10_000usize, 10u64);
+    let mut it = args.iter();
+    while let Some(a) = it.next() {
+        let n = |v: Option<&String>| -> anyhow::Result<u64> {
+            value(v, a)?.parse().map_err(|_| anyhow::anyhow!("{a}: expected a number"))
+        };
+        match a.as_str() {
+            "--buckets" => buckets = usize::try_from(n(it.next())?)?.max(1),
+            "--secs" => secs = n(it.next())?.max(1),
+            other => anyhow::bail!("unexpected argument `{other}`\n{USAGE}"),
+        }
+    }
+    let dir = std::env::temp_dir().join(format!("loadtest-rlqs-{}", std::process::id()));
+    std::fs::create_dir_all(&dir)?;
+    let s = runtime()?.block_on(loadtest::rlqs::scale(buckets, secs, &dir));
+    let _ = std::fs::remove_dir_all(&dir);
+    println!("{}", s?.markdown());
     Ok(())
 }
 

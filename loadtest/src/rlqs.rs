@@ -431,3 +431,119 @@ impl Envoy {
         }
     }
 }
+
+/// What [`scale`] measured.
+#[derive(Debug, Clone)]
+pub struct Scale {
+    /// Buckets subscribed on the one stream.
+    pub buckets: usize,
+    /// Buckets that received an assignment.
+    pub assigned: usize,
+    /// Seconds until every bucket had one.
+    pub subscribe_secs: f64,
+    /// Server resident memory grown by the subscriptions, bytes a bucket.
+    pub bytes_per_bucket: f64,
+    /// Report messages (each every bucket) sent while CPU was measured.
+    pub reports: u64,
+    /// Server CPU per report message, milliseconds (its rounds included).
+    pub cpu_ms_per_report: f64,
+    /// The same per bucket reported, microseconds.
+    pub cpu_us_per_bucket: f64,
+}
+
+impl Scale {
+    /// As a Markdown table row with its header.
+    pub fn markdown(&self) -> String {
+        format!(
+            "| buckets | assigned | all assigned after | server memory a bucket | reports | server CPU a report | a bucket |\n\
+             | --- | --- | --- | --- | --- | --- | --- |\n\
+             | {} | {} | {:.1} s | {:.0} B | {} | {:.1} ms | {:.2} µs |",
+            self.buckets,
+            self.assigned,
+            self.subscribe_secs,
+            self.bytes_per_bucket,
+            self.reports,
+            self.cpu_ms_per_report,
+            self.cpu_us_per_bucket
+        )
+    }
+}
+
+fn rss_bytes(pid: u32) -> anyhow::Result<u64> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status"))?;
+    let kb = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.split_whitespace().next())
+        .and_then(|v| v.parse::<u64>().ok())
+        .ok_or_else(|| anyhow::anyhow!("no VmRSS for {pid}"))?;
+    Ok(kb * 1024)
+}
+
+/// One server process (this binary), one simulated Envoy subscribing `buckets`
+/// buckets on one stream (each with one request, reported at once as Envoy does),
+/// then reporting them all every second for `secs` seconds: the server's memory
+/// a bucket and CPU a report. Files go to `dir`.
+///
+/// # Errors
+///
+/// The server does not start, or the buckets are not all assigned within a minute.
+pub async fn scale(buckets: usize, secs: u64, dir: &std::path::Path) -> anyhow::Result<Scale> {
+    use limiter_core::clock::MonotonicClock;
+    let policy = dir.join("rlqs-scale.yaml");
+    std::fs::write(
+        &policy,
+        "version: 1\ntenants:\n  fleet:\n    routes:\n      /api: { algorithm: token_bucket, rate: 1000000/s, burst: 1000000 }\n",
+    )?;
+    let env = vec![("LIMITER__RLQS__MAX_BUCKETS".to_owned(), buckets.max(1).to_string())];
+    let nodes = crate::procs::Node::start_all(1, &policy, &env).await?;
+    let node = &nodes[0];
+    let pid = node.pid().ok_or_else(|| anyhow::anyhow!("no server process"))?;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let rss0 = rss_bytes(pid)?;
+    let clock: Arc<dyn Clock> = Arc::new(MonotonicClock::new());
+    let envoy = Envoy::start(
+        EnvoyConfig {
+            url: node.url(),
+            domain: "fleet".into(),
+            reporting_interval: Duration::from_secs(1),
+            no_assignment: Blanket::Deny,
+            expired: None,
+        },
+        clock.clone(),
+    )?;
+    let ids: Vec<_> =
+        (0..buckets).map(|i| bucket_id(&[("route", "/api"), ("user", &format!("u{i}"))])).collect();
+    let started = clock.now();
+    for id in &ids {
+        envoy.decide(id);
+    }
+    let assigned = |e: &Envoy| e.logs().values().filter(|l| l.assignments > 0).count();
+    let mut done = assigned(&envoy);
+    while done < buckets && clock.now() - started < 60 * NANOS_PER_SEC {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        done = assigned(&envoy);
+    }
+    let subscribe_secs = (clock.now() - started) as f64 / NANOS_PER_SEC as f64;
+    anyhow::ensure!(done == buckets, "{done} of {buckets} buckets assigned within a minute");
+    // Settled: a few rounds and reports, then memory, then CPU over `secs`.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let rss1 = rss_bytes(pid)?;
+    let (reports0, _) = envoy.counts();
+    let cpu0 = crate::cpu::cpu_ns(pid)?;
+    tokio::time::sleep(Duration::from_secs(secs.max(1))).await;
+    let cpu1 = crate::cpu::cpu_ns(pid)?;
+    let (reports1, _) = envoy.counts();
+    envoy.stop();
+    let reports = reports1 - reports0;
+    let per_report = (cpu1 - cpu0) as f64 / reports.max(1) as f64;
+    Ok(Scale {
+        buckets,
+        assigned: done,
+        subscribe_secs,
+        bytes_per_bucket: rss1.saturating_sub(rss0) as f64 / buckets.max(1) as f64,
+        reports,
+        cpu_ms_per_report: per_report / 1e6,
+        cpu_us_per_bucket: per_report / 1e3 / buckets.max(1) as f64,
+    })
+}

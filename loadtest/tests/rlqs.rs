@@ -223,3 +223,17 @@ async fn ten_envoys_share_zipf_buckets_within_their_limits_by_demand() {
         assert!(a[0] > 0 && a[1] > 0, "Envoy {e} admitted nothing in a phase\n{report}");
     }
 }
+
+/// One Envoy's stream of 10,000 buckets, against a server process: every bucket is
+/// assigned within the stream's cap (the default, 10,000), and the server's memory
+/// a bucket and CPU a report are printed (the release figures are `loadtest rlqs`'s,
+/// in BENCHMARKS.md; this build is a test build).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stream_of_ten_thousand_buckets_is_served_whole() {
+    loadtest::procs::use_binary(std::path::PathBuf::from(env!("CARGO_BIN_EXE_loadtest")));
+    let dir = tempfile::tempdir().unwrap();
+    let s = loadtest::rlqs::scale(10_000, 3, dir.path()).await.unwrap();
+    println!("{}", s.markdown());
+    assert_eq!(s.assigned, 10_000);
+    assert!(s.reports >= 2, "the Envoy reported while measured: {s:?}");
+}

@@ -311,10 +311,12 @@ impl Bucket {
             return;
         }
         let latest = self.counted as f64 / secs;
-        // A swing (the latest round half again or half of the estimate) is taken at
-        // once; the noise of a few requests a round is smoothed, so that it does not
-        // change the bucket (each change costs a full new bucket).
-        let swing = latest > self.demand * 1.5 || latest < self.demand * 0.5;
+        // A swing (a count more than three standard deviations of Poisson arrivals
+        // off the estimate) is taken at once; the noise of a few requests a round is
+        // smoothed, so that it does not change the bucket (each change costs a full
+        // new bucket).
+        let expected = self.demand * secs;
+        let swing = (self.counted as f64 - expected).abs() > 3.0 * expected.sqrt() + 1.0;
         self.demand = if (self.sent.is_none() && self.demand == 0.0) || swing {
             latest
         } else {
@@ -491,8 +493,13 @@ impl Session {
         stop: CancellationToken,
     ) {
         metrics::gauge!(STREAMS).increment(1.0);
-        let mut tick = tokio::time::interval(self.config.round);
-        tick.reset();
+        // Every stream's rounds fall on the same instants of the clock (multiples of
+        // the round): holders of a chain then ask together, after the same refill,
+        // rather than whoever's round follows a refill taking it.
+        let round = nanos(self.config.round).max(1);
+        let phase = round - self.owner.clock().now() % round;
+        let first = tokio::time::Instant::now() + Duration::from_nanos(phase);
+        let mut tick = tokio::time::interval_at(first, self.config.round);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let end = loop {
             tokio::select! {

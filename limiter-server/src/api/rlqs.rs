@@ -31,12 +31,12 @@
 //!   left (`LeaseItem::rates`).
 //! - **Assignments** are token buckets: `tokens_per_fill` over a `fill_interval` of
 //!   whole seconds (Envoy reads no fraction of it, and a fill interval under a second
-//!   divides by zero there), `max_tokens` the rate over `rlqs.burst_ms` (at least 1),
+//!   divides by zero there), `max_tokens` the rate over `rlqs.burst_ms` (at least 2),
 //!   a TTL of `rlqs.ttl_s` whole seconds, or more where the Envoy reports less often
 //!   than twice a TTL; `DENY_ALL` where nothing was granted. The same bucket is
-//!   re-sent each round to extend its TTL (Envoy keeps its tokens); Envoy tells a
-//!   changed bucket by `max_tokens` and `tokens_per_fill` only, so a change always
-//!   changes one of those. A change costs a full new bucket: a rate within a tenth of
+//!   re-sent once half its TTL has gone, to extend it (Envoy keeps its tokens);
+//!   Envoy tells a changed bucket by `max_tokens` and `tokens_per_fill` only, so a
+//!   change always changes one of those. A change costs a full new bucket: a rate within a tenth of
 //!   the one held is kept.
 //! - **Failures.** When the owner cannot be reached, a bucket gets its route's failure
 //!   policy, as an agent does: fail-open, its emergency ceiling as a token bucket;
@@ -294,6 +294,8 @@ struct Bucket {
     sent: Option<Sent>,
     /// Until when what the Envoy may admit under `sent` is paid.
     paid_until: Nanos,
+    /// When `sent` was last sent (its TTL runs from about then).
+    sent_at: Nanos,
     /// The last grant: its id and the units it left unused (handed back next round).
     lease: (u64, u64),
     /// The route's failure policy, from the last grant.
@@ -640,6 +642,7 @@ impl Session {
             last_traffic: now,
             sent: None,
             paid_until: now,
+            sent_at: 0,
             lease: (0, 0),
             on_failure: None,
             part: f64::INFINITY,
@@ -693,6 +696,15 @@ impl Session {
                 Some(need) if keeps => need,
                 _ => capacity(fair, burst) + units_over(fair, horizon.saturating_sub(now)),
             };
+            if keeps && want == 0 && b.lease.1 == 0 {
+                // A slow bucket paid beyond the horizon, nothing to give back: no
+                // call; its assignment is re-sent when due.
+                if now.saturating_sub(b.sent_at) >= nanos(ttl) / 2 {
+                    b.sent_at = now;
+                    actions.push(assignment(b.id.clone(), b.sent.unwrap_or(Sent::Deny), ttl));
+                }
+                continue;
+            }
             plan.push((name.clone(), keep_need));
             items.push(pb::LeaseItem {
                 tenant: b.tenant.clone(),
@@ -723,6 +735,7 @@ impl Session {
                 let sent = b.failure_policy();
                 fallback += 1;
                 b.sent = Some(sent);
+                b.sent_at = now;
                 actions.push(assignment(b.id.clone(), sent, ttl));
                 continue;
             };
@@ -768,8 +781,12 @@ impl Session {
                     now.saturating_add(nanos_for(used - u64::from(max_tokens), sent.rate()))
                 }
             };
+            // Re-sent unchanged only when half its TTL has gone: that extends it.
+            if b.sent != Some(sent) || now.saturating_sub(b.sent_at) >= nanos(ttl) / 2 {
+                b.sent_at = now;
+                actions.push(assignment(b.id.clone(), sent, ttl));
+            }
             b.sent = Some(sent);
-            actions.push(assignment(b.id.clone(), sent, ttl));
         }
         metrics::counter!(PAID).increment(paid);
         counted("assign", assigned);

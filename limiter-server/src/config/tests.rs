@@ -39,13 +39,15 @@ fn every_bad_value_is_reported_at_once() {
     }
 }
 
+/// The configuration with a policy file and `pairs`.
+fn load(pairs: &[(&str, &str)]) -> Result<ServerConfig, ConfigError> {
+    let mut all = vec![("LIMITER__POLICY_FILE", "p.yaml")];
+    all.extend_from_slice(pairs);
+    ServerConfig::load_with_env(None, env(&all))
+}
+
 #[test]
 fn an_rlqs_ttl_shorter_than_two_rounds_is_refused() {
-    let load = |pairs: &[(&str, &str)]| {
-        let mut all = vec![("LIMITER__POLICY_FILE", "p.yaml")];
-        all.extend_from_slice(pairs);
-        ServerConfig::load_with_env(None, env(&all))
-    };
     let c = load(&[]).unwrap();
     assert_eq!((c.rlqs.round, c.rlqs.ttl), (Duration::from_millis(500), Duration::from_secs(2)));
     let text = load(&[("LIMITER__RLQS__TTL_S", "1"), ("LIMITER__RLQS__ROUND_MS", "800")])
@@ -58,11 +60,6 @@ fn an_rlqs_ttl_shorter_than_two_rounds_is_refused() {
 
 #[test]
 fn security_settings_are_checked_together() {
-    let load = |pairs: &[(&str, &str)]| {
-        let mut all = vec![("LIMITER__POLICY_FILE", "p.yaml")];
-        all.extend_from_slice(pairs);
-        ServerConfig::load_with_env(None, env(&all))
-    };
     let c = load(&[
         ("LIMITER__SECURITY__TOKENS_FILE", "/etc/limiter/tokens"),
         ("LIMITER__SECURITY__GRPC__CERT_FILE", "/tls/a.pem"),

@@ -248,6 +248,41 @@ async fn buckets_beyond_a_streams_cap_are_denied() {
 }
 
 #[tokio::test]
+async fn buckets_beyond_a_nodes_cap_are_denied_until_a_stream_lets_its_own_go() {
+    let env = [FAST, &[("LIMITER__RLQS__MAX_TOTAL_BUCKETS", "3")]].concat();
+    let server = TestServer::start_with(POLICY, &env).await;
+    let bucket = |u: &str| id(&[("route", "/api"), ("user", u)]);
+    let first = Stream::open(
+        &server,
+        reports("acme", vec![usage(&bucket("a"), 1, 0), usage(&bucket("b"), 1, 0)]),
+    )
+    .await;
+    let mut first = first;
+    collect(&mut first, |all| all.len() >= 2).await;
+    let mut second = Stream::open(
+        &server,
+        reports("acme", vec![usage(&bucket("c"), 1, 0), usage(&bucket("d"), 1, 0)]),
+    )
+    .await;
+    let all = collect(&mut second, |all| all.len() >= 2).await;
+    let denied = all.values().filter(|v| matches!(v[0], Seen::Deny { .. })).count();
+    assert_eq!(denied, 1, "three buckets on the node, the fourth denied: {all:?}");
+    // The first stream ends: its two buckets no longer count.
+    drop(first);
+    let mut third = None;
+    for _ in 0..50 {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        let mut s = Stream::open(&server, reports("acme", vec![usage(&bucket("e"), 1, 0)])).await;
+        if matches!(seen(&s.next().await.unwrap()[0]), Seen::Tokens { .. }) {
+            third = Some(s);
+            break;
+        }
+    }
+    assert!(third.is_some(), "a bucket is assigned again once the first stream's are gone");
+    server.stop().await;
+}
+
+#[tokio::test]
 async fn an_idle_bucket_is_abandoned_and_a_draining_node_abandons_the_rest() {
     let server = TestServer::start_with(POLICY, FAST).await;
     let idle = id(&[("route", "/api"), ("user", "idle")]);

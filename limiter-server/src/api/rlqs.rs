@@ -50,7 +50,7 @@
 use std::borrow::Cow;
 use std::collections::HashMap;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::time::Duration;
 
 use limiter_core::clock::{NANOS_PER_SEC, Nanos};
@@ -79,7 +79,8 @@ pub const BUCKETS: &str = "limiter_rlqs_buckets";
 /// `abandon`).
 pub const ACTIONS: &str = "limiter_rlqs_actions_total";
 /// Metric: buckets refused, by `reason` (`invalid`: no id, unmappable or bad names;
-/// `over_cap`: beyond `rlqs.max_buckets`).
+/// `over_cap`: beyond `rlqs.max_buckets` on the stream or `rlqs.max_total_buckets` on
+/// the node).
 pub const REFUSED: &str = "limiter_rlqs_refused_buckets_total";
 /// Metric: units paid for Envoys' assignments (granted less handed back).
 pub const PAID: &str = "limiter_rlqs_paid_units_total";
@@ -111,6 +112,8 @@ pub struct RlqsService {
     config: RlqsConfig,
     stop: CancellationToken,
     next: Arc<AtomicU64>,
+    /// Buckets subscribed on this node's streams (all of them: `rlqs.max_total_buckets`).
+    total: Arc<AtomicUsize>,
     /// Drawn at start, so that holder names of different nodes never meet.
     node: u64,
 }
@@ -133,6 +136,7 @@ impl RlqsService {
             config,
             stop,
             next: Arc::new(AtomicU64::new(1)),
+            total: Arc::default(),
             node,
         }
     }
@@ -157,6 +161,7 @@ impl RateLimitQuotaService for RlqsService {
             holder: format!("rlqs:{:016x}:{id}", self.node),
             domain: None,
             buckets: HashMap::new(),
+            total: self.total.clone(),
             report_gap: 0,
             last_message: 0,
             tx,
@@ -397,6 +402,8 @@ struct Session {
     holder: String,
     domain: Option<String>,
     buckets: HashMap<String, Bucket>,
+    /// The node's count of subscribed buckets.
+    total: Arc<AtomicUsize>,
     /// The longest recent gap between two report messages (the Envoy's reporting
     /// interval, on our clock).
     report_gap: Nanos,
@@ -507,7 +514,8 @@ impl Session {
             tokio::select! {
                 () = stop.cancelled() => {
                     let all: Vec<_> =
-                        self.buckets.drain().map(|(_, b)| abandon(b.id)).collect();
+                        self.buckets.values().map(|b| abandon(b.id.clone())).collect();
+                    self.forget_all();
                     counted("abandon", all.len());
                     self.send(all).await;
                     break Some(Status::unavailable(
@@ -528,8 +536,16 @@ impl Session {
         if let Some(status) = end {
             let _ = self.tx.send(Err(status)).await;
         }
-        metrics::gauge!(BUCKETS).decrement(self.buckets.len() as f64);
+        self.forget_all();
         metrics::gauge!(STREAMS).decrement(1.0);
+    }
+
+    /// Drops every bucket from the counts.
+    fn forget_all(&mut self) {
+        let n = self.buckets.len();
+        self.buckets.clear();
+        self.total.fetch_sub(n, Ordering::Relaxed);
+        metrics::gauge!(BUCKETS).decrement(n as f64);
     }
 
     /// Sends `actions` in messages of at most [`ACTIONS_PER_MESSAGE`].
@@ -593,7 +609,9 @@ impl Session {
                 }
                 continue;
             }
-            if self.buckets.len() >= self.config.max_buckets {
+            if self.buckets.len() >= self.config.max_buckets
+                || self.total.load(Ordering::Relaxed) >= self.config.max_total_buckets
+            {
                 refused("over_cap");
                 denied.push(assignment(id, Sent::Deny, self.config.ttl));
                 continue;
@@ -601,6 +619,7 @@ impl Session {
             match self.subscribe(id.clone(), requests, now) {
                 Ok(b) => {
                     self.buckets.insert(name.clone(), b);
+                    self.total.fetch_add(1, Ordering::Relaxed);
                     metrics::gauge!(BUCKETS).increment(1.0);
                     fresh.push(name);
                 }

@@ -113,6 +113,7 @@ struct RawRlqs {
     burst_ms: i64,
     slack_ms: i64,
     max_buckets: i64,
+    max_total_buckets: i64,
     idle_ms: i64,
 }
 
@@ -182,6 +183,7 @@ rlqs:
   burst_ms: 100
   slack_ms: 100
   max_buckets: 10000
+  max_total_buckets: 200000
   idle_ms: 60000
 dashboard:
   show_keys: false
@@ -283,6 +285,9 @@ pub struct RlqsConfig {
     /// Buckets one stream may hold; beyond, a new bucket is denied
     /// (`rlqs.max_buckets`).
     pub max_buckets: usize,
+    /// Buckets all of this node's streams may hold together (each costs the server a
+    /// few KB); beyond, a new bucket is denied (`rlqs.max_total_buckets`).
+    pub max_total_buckets: usize,
     /// A bucket with no requests reported for this long is abandoned
     /// (`rlqs.idle_ms`).
     pub idle: Duration,

@@ -254,6 +254,7 @@ fn rlqs_config(errors: &mut Vec<String>, r: &super::RawRlqs) -> super::RlqsConfi
         burst: millis(errors, "rlqs.burst_ms", r.burst_ms, false),
         slack: millis(errors, "rlqs.slack_ms", r.slack_ms, true),
         max_buckets: positive(errors, "rlqs.max_buckets", r.max_buckets, 1 << 20),
+        max_total_buckets: positive(errors, "rlqs.max_total_buckets", r.max_total_buckets, 1 << 26),
         idle: millis(errors, "rlqs.idle_ms", r.idle_ms, false),
     }
 }

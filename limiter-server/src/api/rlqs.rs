@@ -85,8 +85,9 @@ pub const REFUSED: &str = "limiter_rlqs_refused_buckets_total";
 /// Metric: units paid for Envoys' assignments (granted less handed back).
 pub const PAID: &str = "limiter_rlqs_paid_units_total";
 
-/// A requested rate is kept while the wanted one is within this factor of it either
-/// way: each change gives the Envoy a full new bucket.
+/// A held rate is kept unless a new bucket would buy more than this factor of it
+/// (each change gives the Envoy a full new bucket); and a round asks only for what
+/// keeping costs while the held rate is within this factor of its part either way.
 const KEEP_WITHIN: f64 = 1.1;
 /// A rate held above its part by more than this factor comes down.
 const COME_DOWN: f64 = 1.25;
@@ -570,10 +571,12 @@ impl Session {
                 ));
             }
             (None, false) => {
-                if r.domain.len() > self.owner.limits().names.tenant.max(256) {
+                // The domain is kept for the stream's life: bounded like a tenant's
+                // name (at least 256 bytes, where it names no tenant).
+                let most = self.owner.limits().names.tenant.max(256);
+                if r.domain.len() > most {
                     return Err(Status::invalid_argument(format!(
-                        "domain: longer than {} bytes",
-                        self.owner.limits().names.tenant.max(256)
+                        "domain: longer than {most} bytes"
                     )));
                 }
                 self.domain = Some(r.domain);

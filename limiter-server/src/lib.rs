@@ -443,7 +443,8 @@ impl Server {
         health.set_not_serving::<RateLimiterServer<api::native::NativeService>>().await;
         health.set_not_serving::<RateLimitServiceServer<api::envoy::EnvoyService>>().await;
         health.set_not_serving::<RateLimitQuotaServiceServer<api::rlqs::RlqsService>>().await;
-        // Envoys on RLQS streams here abandon their buckets and reconnect elsewhere.
+        // RLQS streams here pay their Envoys' assignments until they have reconnected
+        // elsewhere (routed to the counters' new owners), then end.
         rlqs_stop.cancel();
         health.set_service_status("", tonic_health::ServingStatus::NotServing).await;
         tokio::time::sleep(config.drain_delay).await;

@@ -272,6 +272,17 @@ fn describe() {
     describe_counter!(REPLICATION_FULL, "Full copies sent to a replica, by why.");
     describe_counter!(REPLICA_TAKEOVERS, "Tenants taken over from a lost owner's replica.");
     describe_counter!(STATE_RESETS, "Tenants whose counters began afresh, by reason.");
+    describe_gauge!(crate::api::rlqs::STREAMS, "Envoy RLQS streams open now.");
+    describe_gauge!(crate::api::rlqs::BUCKETS, "Buckets subscribed on this node's RLQS streams.");
+    describe_counter!(
+        crate::api::rlqs::ACTIONS,
+        "Actions sent to Envoys on RLQS streams, by action: assign, extend, deny, fallback, abandon."
+    );
+    describe_counter!(
+        crate::api::rlqs::REFUSED,
+        "RLQS buckets refused (denied), by reason: invalid, over_cap."
+    );
+    describe_counter!(crate::api::rlqs::PAID, "Units paid for Envoys' RLQS assignments.");
 }
 
 /// Which API a decision came through (a label).

@@ -191,6 +191,19 @@ impl Node {
         }
     }
 
+    /// SIGTERM, a planned stop: it drains (its counters to their next owners) and
+    /// exits; [`Node::exited`] says when.
+    ///
+    /// # Errors
+    ///
+    /// When it is not running or `kill` cannot be run.
+    pub fn terminate(&self) -> anyhow::Result<()> {
+        let pid = self.pid().ok_or_else(|| anyhow::anyhow!("{} is not running", self.id))?;
+        let ok = Command::new("kill").args(["-TERM", &pid.to_string()]).status()?.success();
+        anyhow::ensure!(ok, "SIGTERM not delivered to {}", self.id);
+        Ok(())
+    }
+
     /// Starts it again on the same addresses (after a kill).
     ///
     /// # Errors

@@ -4,7 +4,8 @@
 //!
 //! What it copies of Envoy (its `rate_limit_quota` filter's client):
 //! - one stream per process and domain, opened by the first bucket and reopened on
-//!   the next report after it ends; every bucket it tracks is reported each
+//!   the next report after it ends (on the cluster's next endpoint, here), keeping
+//!   its buckets and their assignments meanwhile; every bucket it tracks is reported each
 //!   `reporting_interval`, and a new bucket at once, by itself (its first report is
 //!   its subscription);
 //! - each request takes one token; `time_elapsed` is whole seconds (so often 0);
@@ -51,8 +52,10 @@ pub enum Blanket {
 /// A simulated Envoy's filter configuration.
 #[derive(Debug, Clone)]
 pub struct EnvoyConfig {
-    /// The RLQS server, `http://host:port`.
-    pub url: String,
+    /// The RLQS cluster's endpoints, `http://host:port`: a stream opens on the first;
+    /// when a stream ends or cannot open, the next one is tried (as Envoy's load
+    /// balancer moves off a host that went away).
+    pub urls: Vec<String>,
     /// The stream's domain.
     pub domain: String,
     /// How often every bucket is reported.
@@ -180,7 +183,12 @@ impl Envoy {
     ///
     /// A malformed URL.
     pub fn start(config: EnvoyConfig, clock: Arc<dyn Clock>) -> anyhow::Result<Arc<Self>> {
-        let channel = crate::target::channel(&config.url)?;
+        anyhow::ensure!(!config.urls.is_empty(), "an Envoy needs an RLQS endpoint");
+        let clients = config
+            .urls
+            .iter()
+            .map(|u| Ok(RateLimitQuotaServiceClient::new(crate::target::channel(u)?)))
+            .collect::<anyhow::Result<Vec<_>>>()?;
         let (urgent, rx) = mpsc::unbounded_channel();
         let envoy = Arc::new(Self {
             config,
@@ -189,7 +197,7 @@ impl Envoy {
             urgent,
             stop: CancellationToken::new(),
         });
-        tokio::spawn(envoy.clone().stream_loop(RateLimitQuotaServiceClient::new(channel), rx));
+        tokio::spawn(envoy.clone().stream_loop(clients, rx));
         Ok(envoy)
     }
 
@@ -379,9 +387,11 @@ impl Envoy {
 
     async fn stream_loop(
         self: Arc<Self>,
-        mut client: RateLimitQuotaServiceClient<tonic::transport::Channel>,
+        mut clients: Vec<RateLimitQuotaServiceClient<tonic::transport::Channel>>,
         mut urgent: mpsc::UnboundedReceiver<rlqs::RateLimitQuotaUsageReports>,
     ) {
+        // The endpoint the next stream opens on.
+        let mut at = 0;
         let mut tick = tokio::time::interval(self.config.reporting_interval);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         // The open stream's sender, if any.
@@ -392,6 +402,7 @@ impl Envoy {
                 () = self.stop.cancelled() => return,
                 _ = ended.recv() => {
                     out = None;
+                    at = (at + 1) % clients.len();
                     continue;
                 }
                 _ = tick.tick() => match self.report_all() {
@@ -408,7 +419,7 @@ impl Envoy {
                 let (tx, rx) = mpsc::unbounded_channel();
                 let stream = tokio_stream::wrappers::UnboundedReceiverStream::new(rx);
                 let _ = tx.send(report);
-                match client.stream_rate_limit_quotas(stream).await {
+                match clients[at].stream_rate_limit_quotas(stream).await {
                     Ok(resp) => {
                         self.state.lock().streams += 1;
                         out = Some(tx);
@@ -421,7 +432,10 @@ impl Envoy {
                             let _ = ended_tx.send(());
                         });
                     }
-                    Err(_) => out = None,
+                    Err(_) => {
+                        out = None;
+                        at = (at + 1) % clients.len();
+                    }
                 }
                 continue;
             }
@@ -504,7 +518,7 @@ pub async fn scale(buckets: usize, secs: u64, dir: &std::path::Path) -> anyhow::
     let clock: Arc<dyn Clock> = Arc::new(MonotonicClock::new());
     let envoy = Envoy::start(
         EnvoyConfig {
-            url: node.url(),
+            urls: vec![node.url()],
             domain: "fleet".into(),
             reporting_interval: Duration::from_secs(1),
             no_assignment: Blanket::Deny,

@@ -72,6 +72,61 @@ async fn server(policy: &str, clock: Arc<dyn Clock>) -> Server {
     Server { addr: running.grpc, _dir: dir, _running: running }
 }
 
+/// What [`exactness`] found.
+struct Exactness {
+    /// Units admitted beyond the limits, all buckets.
+    over: u64,
+    /// The buckets over, and when.
+    worst: String,
+    /// Admissions by a blanket rule or a no-assignment behaviour.
+    blanket: u64,
+    /// Token buckets the Envoys created.
+    created: u64,
+}
+
+/// Judges each bucket (its label, id, limit a second and the Envoys sharing it) by
+/// the reference at zero tolerance: each admission placed between the send of the
+/// assignment that admitted it and its own instant.
+fn exactness(
+    envoys: &[Arc<Envoy>],
+    buckets: &[(
+        String,
+        &limiter_proto::envoy::service::rate_limit_quota::v3::BucketId,
+        u64,
+        &[usize],
+    )],
+    start: Nanos,
+) -> Exactness {
+    let logs: Vec<_> = envoys.iter().map(|e| e.logs()).collect();
+    let mut out = Exactness { over: 0, worst: String::new(), blanket: 0, created: 0 };
+    for (label, id, l, sharing) in buckets {
+        let name = bucket_name(id);
+        let mut spends = Vec::new();
+        for log in sharing.iter().filter_map(|&e| logs[e].get(&name)) {
+            out.blanket += log.admitted_blanket;
+            out.created += log.buckets_created;
+            spends.extend(log.admitted.iter().map(|a| Spend {
+                from: a.bucket_since.saturating_sub(DELIVERY),
+                to: a.at,
+                cost: 1,
+            }));
+        }
+        let spec = Spec::TokenBucket { amount: *l, period: NANOS_PER_SEC, burst: *l };
+        let v = judge(spec, &spends, NANOS_PER_SEC);
+        if v.overshoot > 0 {
+            let per: Vec<_> =
+                v.by_window.iter().map(|&(w, u)| ((w - start) / NANOS_PER_SEC, u)).collect();
+            let _ = write!(
+                out.worst,
+                " {label} (limit {l}/s): {} over, per second {per:?};",
+                v.overshoot
+            );
+        }
+        out.over += v.overshoot;
+    }
+    out
+}
+
 /// One decision: bucket, Envoy, when, admitted.
 type Arrival = (usize, usize, Nanos, bool);
 
@@ -83,7 +138,7 @@ async fn ten_envoys_share_zipf_buckets_within_their_limits_by_demand() {
     let envoys: Vec<Arc<Envoy>> = (0..ENVOYS)
         .map(|_| {
             let config = EnvoyConfig {
-                url: format!("http://{}", server.addr),
+                urls: vec![format!("http://{}", server.addr)],
                 domain: "fleet".into(),
                 reporting_interval: REPORTING,
                 no_assignment: Blanket::Deny,
@@ -124,42 +179,20 @@ async fn ten_envoys_share_zipf_buckets_within_their_limits_by_demand() {
         e.stop();
     }
 
-    // Exactness, per bucket: each admission placed between the send of the
-    // assignment that admitted it and its own instant.
-    let logs: Vec<_> = envoys.iter().map(|e| e.logs()).collect();
+    let all_envoys: Vec<usize> = (0..ENVOYS).collect();
+    let buckets: Vec<_> =
+        (0..BUCKETS).map(|b| (format!("/b{b}"), &ids[b], limits[b], &all_envoys[..])).collect();
+    let exact = exactness(&envoys, &buckets, start);
+    let (over, worst, created) = (exact.over, &exact.worst, exact.created);
     let mut report = String::new();
-    let mut over = 0;
-    let mut worst = String::new();
-    let (mut blanket, mut created) = (0, 0);
-    for (b, &l) in limits.iter().enumerate() {
-        let name = bucket_name(&ids[b]);
-        let mut spends = Vec::new();
-        for log in logs.iter().filter_map(|l| l.get(&name)) {
-            blanket += log.admitted_blanket;
-            created += log.buckets_created;
-            spends.extend(log.admitted.iter().map(|a| Spend {
-                from: a.bucket_since.saturating_sub(DELIVERY),
-                to: a.at,
-                cost: 1,
-            }));
-        }
-        let spec = Spec::TokenBucket { amount: l, period: NANOS_PER_SEC, burst: l };
-        let v = judge(spec, &spends, NANOS_PER_SEC);
-        if v.overshoot > 0 {
-            let per: Vec<_> =
-                v.by_window.iter().map(|&(w, u)| ((w - start) / NANOS_PER_SEC, u)).collect();
-            let _ =
-                write!(worst, " /b{b} (limit {l}/s): {} over, per second {per:?};", v.overshoot);
-        }
-        over += v.overshoot;
-    }
-    assert_eq!(blanket, 0, "every admission is under an assignment (no-assignment: deny)");
+    assert_eq!(exact.blanket, 0, "every admission is under an assignment (no-assignment: deny)");
 
     // Use of the limits after the warm-up, against the reference deciding the same
     // arrivals one by one.
     let warm = start + WARM_UP.as_nanos() as u64;
     let mut levels: HashMap<usize, Level> = HashMap::new();
     let (mut ideal, mut got) = (0u64, 0u64);
+    let mut by_bucket = vec![(0u64, 0u64); BUCKETS];
     let mut admitted = [[0u64; 2]; ENVOYS];
     let mut offered = [[0u64; 2]; ENVOYS];
     // Shares are judged from two reporting intervals after the swing.
@@ -171,6 +204,8 @@ async fn ten_envoys_share_zipf_buckets_within_their_limits_by_demand() {
         if at >= warm {
             ideal += u64::from(fits);
             got += u64::from(ok);
+            by_bucket[b].0 += u64::from(fits);
+            by_bucket[b].1 += u64::from(ok);
         }
         let phase = match at {
             t if t >= warm && t < swing => Some(0),
@@ -192,6 +227,12 @@ async fn ten_envoys_share_zipf_buckets_within_their_limits_by_demand() {
         arrivals.len(),
         used * 100.0
     );
+    let per: Vec<String> = by_bucket
+        .iter()
+        .zip(&limits)
+        .map(|((i, g), l)| format!("{l}/s {:.0}%", *g as f64 * 100.0 / (*i).max(1) as f64))
+        .collect();
+    let _ = writeln!(report, "use per bucket: {}", per.join(", "));
     let mut off_by = [0.0f64; 2];
     for p in 0..2 {
         let total: u64 = admitted.iter().map(|a| a[p]).sum();
@@ -236,4 +277,176 @@ async fn a_stream_of_ten_thousand_buckets_is_served_whole() {
     println!("{}", s.markdown());
     assert_eq!(s.assigned, 10_000);
     assert!(s.reports >= 2, "the Envoy reported while measured: {s:?}");
+}
+
+/// Domains (tenants) of the drain test, each with these routes' token buckets, a
+/// second; each shared by this many Envoys, offered twice its limit split 1:2:3:4.
+const DRAIN_DOMAINS: usize = 6;
+const DRAIN_LIMITS: [u64; 4] = [40, 60, 90, 150];
+const DRAIN_ENVOYS: usize = 4;
+const DRAIN_RUN: Duration = Duration::from_secs(10);
+const DRAIN_AT: Duration = Duration::from_secs(4);
+
+/// Three server processes; each domain's Envoys open their streams on different
+/// nodes (the cluster's endpoints in turn), so streams on every node pay for
+/// tenants owned here and elsewhere. The owner of the first domain is stopped with
+/// SIGTERM while the fleet is at twice its limits: it hands its counters to their
+/// next owners, its streams pay their Envoys' assignments until they have
+/// reconnected, and its Envoys open their streams on the next endpoint and subscribe
+/// again. Judged per bucket by the reference at zero tolerance over the whole run,
+/// the drain included; every Envoy is served again after it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_drained_nodes_envoys_subscribe_elsewhere_with_nothing_over_the_limits() {
+    use limiter_proto::limiter::v1 as pb;
+    loadtest::procs::use_binary(std::path::PathBuf::from(env!("CARGO_BIN_EXE_loadtest")));
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("policies.yaml");
+    let mut p = String::from("version: 1\non_limiter_failure: { mode: fail_closed }\ntenants:\n");
+    for d in 0..DRAIN_DOMAINS {
+        let _ = writeln!(p, "  d{d}:\n    routes:");
+        for (r, l) in DRAIN_LIMITS.iter().enumerate() {
+            let _ =
+                writeln!(p, "      /b{r}: {{ algorithm: token_bucket, rate: {l}/s, burst: {l} }}");
+        }
+    }
+    std::fs::write(&path, p).unwrap();
+    let mut nodes = loadtest::procs::Node::start_all(3, &path, &[]).await.unwrap();
+    let domains: Vec<String> = (0..DRAIN_DOMAINS).map(|d| format!("d{d}")).collect();
+    let mut topo = pb::rate_limiter_client::RateLimiterClient::new(
+        loadtest::target::channel(&nodes[0].url()).unwrap(),
+    );
+    let mut owners = Vec::new();
+    for _ in 0..200 {
+        let t = topo.topology(pb::TopologyRequest { tenants: domains.clone() }).await;
+        if let Some(t) = t.ok().map(tonic::Response::into_inner) {
+            if t.members.len() == 3 && t.ready {
+                owners = t.owners;
+                break;
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(owners.len(), DRAIN_DOMAINS, "the ring of three formed");
+    let drained = nodes.iter().position(|n| n.id == owners[0]).unwrap();
+    let moved: Vec<usize> = (0..DRAIN_DOMAINS).filter(|&d| owners[d] == owners[0]).collect();
+
+    let clock: Arc<dyn Clock> = Arc::new(MonotonicClock::new());
+    // Envoy `d * DRAIN_ENVOYS + e` serves domain d; its stream opens on node
+    // (d + e) % 3 first, then the next.
+    let mut first = Vec::new();
+    let envoys: Vec<Arc<Envoy>> = (0..DRAIN_DOMAINS * DRAIN_ENVOYS)
+        .map(|i| {
+            let (d, e) = (i / DRAIN_ENVOYS, i % DRAIN_ENVOYS);
+            let at = (d + e) % nodes.len();
+            first.push(at);
+            let urls = (0..nodes.len()).map(|k| nodes[(at + k) % nodes.len()].url()).collect();
+            let config = EnvoyConfig {
+                urls,
+                domain: domains[d].clone(),
+                reporting_interval: REPORTING,
+                no_assignment: Blanket::Deny,
+                expired: None,
+            };
+            Envoy::start(config, clock.clone()).unwrap()
+        })
+        .collect();
+    let ids: Vec<_> =
+        (0..DRAIN_LIMITS.len()).map(|r| bucket_id(&[("route", &format!("/b{r}"))])).collect();
+    let all: f64 = (1..=DRAIN_ENVOYS).map(|w| w as f64).sum();
+
+    let mut owed = vec![0.0f64; envoys.len() * ids.len()];
+    let mut arrivals: Vec<Arrival> = Vec::new();
+    let start = clock.now();
+    let mut last = start;
+    let mut drain_at = None;
+    let mut tick = tokio::time::interval(Duration::from_millis(1));
+    while clock.now() - start < DRAIN_RUN.as_nanos() as u64 {
+        tick.tick().await;
+        let now = clock.now();
+        if drain_at.is_none() && now - start >= DRAIN_AT.as_nanos() as u64 {
+            nodes[drained].terminate().unwrap();
+            drain_at = Some(now);
+        }
+        let dt = (now - last) as f64 / NANOS_PER_SEC as f64;
+        last = now;
+        for (i, envoy) in envoys.iter().enumerate() {
+            let share = ((i % DRAIN_ENVOYS) + 1) as f64 / all;
+            for (r, id) in ids.iter().enumerate() {
+                let o = &mut owed[i * ids.len() + r];
+                *o += 2.0 * DRAIN_LIMITS[r] as f64 * share * dt;
+                while *o >= 1.0 {
+                    *o -= 1.0;
+                    // The bucket: domain and route.
+                    let b = (i / DRAIN_ENVOYS) * ids.len() + r;
+                    arrivals.push((b, i, clock.now(), envoy.decide(id)));
+                }
+            }
+        }
+    }
+    for e in &envoys {
+        e.stop();
+    }
+    let drain_at = drain_at.unwrap();
+    let status = nodes[drained].exited();
+
+    let sharing: Vec<Vec<usize>> =
+        (0..DRAIN_DOMAINS).map(|d| (d * DRAIN_ENVOYS..(d + 1) * DRAIN_ENVOYS).collect()).collect();
+    let mut buckets = Vec::new();
+    for d in 0..DRAIN_DOMAINS {
+        for (r, &l) in DRAIN_LIMITS.iter().enumerate() {
+            buckets.push((format!("d{d}/b{r}"), &ids[r], l, &sharing[d][..]));
+        }
+    }
+    let exact = exactness(&envoys, &buckets, start);
+
+    // Use per phase against the reference deciding the same arrivals: before the
+    // drain (after a warm-up), the 2 s after it, and the rest.
+    let settled = drain_at + 2 * NANOS_PER_SEC;
+    let mut levels: HashMap<usize, Level> = HashMap::new();
+    let mut ideal = [0u64; 3];
+    let mut got = [0u64; 3];
+    let mut after = vec![0u64; envoys.len()];
+    for &(b, i, at, ok) in &arrivals {
+        let l = DRAIN_LIMITS[b % ids.len()];
+        let spec = Spec::TokenBucket { amount: l, period: NANOS_PER_SEC, burst: l };
+        let fits = levels.entry(b).or_insert_with(|| Level::new(spec)).try_take(at, 1);
+        let phase = match at {
+            t if t < start + WARM_UP.as_nanos() as u64 => continue,
+            t if t < drain_at => 0,
+            t if t < settled => 1,
+            _ => 2,
+        };
+        ideal[phase] += u64::from(fits);
+        got[phase] += u64::from(ok);
+        if phase == 2 {
+            after[i] += u64::from(ok);
+        }
+    }
+    let pct = |p: usize| got[p] as f64 * 100.0 / ideal[p].max(1) as f64;
+    let streams: Vec<u64> = envoys.iter().map(|e| e.counts().1).collect();
+    let report = format!(
+        "drained {} (owner of {:?}; {} of {} Envoys' streams opened there), exit {status:?}; \
+         units over the limits {}; admitted of the reference's: before the drain {:.1}%, \
+         the 2 s after {:.1}%, the rest {:.1}%; streams opened per Envoy {streams:?}; \
+         token buckets created {}",
+        nodes[drained].id,
+        moved.iter().map(|d| &domains[*d]).collect::<Vec<_>>(),
+        first.iter().filter(|&&f| f == drained).count(),
+        envoys.len(),
+        exact.over,
+        pct(0),
+        pct(1),
+        pct(2),
+        exact.created,
+    );
+    println!("{report}");
+    assert_eq!(exact.over, 0, "{}\n{report}", exact.worst);
+    assert_eq!(exact.blanket, 0, "every admission under an assignment\n{report}");
+    assert!(status.is_some_and(|s| s.success()), "the drained node exited cleanly\n{report}");
+    for (i, &f) in first.iter().enumerate() {
+        if f == drained {
+            assert!(streams[i] >= 2, "Envoy {i} opened its stream again elsewhere\n{report}");
+        }
+        assert!(after[i] > 0, "Envoy {i} is served after the drain\n{report}");
+    }
 }

@@ -42,10 +42,15 @@
 //!   policy, as an agent does: fail-open, its emergency ceiling as a token bucket;
 //!   fail-closed, `DENY_ALL`. A bucket that cannot be mapped or named is denied, and
 //!   a stream's buckets beyond `rlqs.max_buckets`: never a free pass.
-//! - **Drain.** When this node shuts down, each stream abandons its buckets and ends
-//!   with `UNAVAILABLE`, so its Envoy reconnects (to another node) and subscribes
-//!   again. A tenant moving between owners needs nothing: rounds are routed to the
-//!   tenant's owner of the moment.
+//! - **Drain.** When this node shuts down (after its counters went to their next
+//!   owners), each stream pays for what its Envoy's assignments let it admit until
+//!   it has reconnected and been assigned again (its reporting interval, measured,
+//!   and the delivery slack), denies what it cannot pay, and ends with
+//!   `UNAVAILABLE`; the Envoy keeps its assignments, reopens the stream (to another
+//!   node) at its next report, and subscribes every bucket again there, whose first
+//!   report carries its traffic. Buckets are not abandoned: Envoy would apply its
+//!   no-assignment behaviour (often allow-all) until then. A tenant moving between
+//!   owners needs nothing: rounds are routed to the tenant's owner of the moment.
 
 use std::borrow::Cow;
 use std::collections::HashMap;
@@ -349,6 +354,27 @@ impl Bucket {
         }
     }
 
+    /// Its lease item asking for `want` units (for `period` nanoseconds of its rate),
+    /// handing back what its last grant left.
+    fn item(&self, want: u64, period: Nanos) -> pb::LeaseItem {
+        pb::LeaseItem {
+            tenant: self.tenant.clone(),
+            route: self.route.clone(),
+            key: self.key.clone().unwrap_or_default(),
+            lease_id: self.lease.0,
+            unspent: self.lease.1,
+            want,
+            cost: 0,
+            demand_per_sec: units_over(self.demand, NANOS_PER_SEC),
+            demand_milli: units_over(self.demand * 1_000.0, NANOS_PER_SEC),
+            // The time its ask pays for: the owner caps it at its part of the chain's
+            // rate over it.
+            renews_within: Some(crate::convert::duration(period)),
+            rates: true,
+            ..Default::default()
+        }
+    }
+
     /// The route's failure policy as an assignment: fail-open, the emergency
     /// ceiling; fail-closed (or never known), nothing.
     fn failure_policy(&self) -> Sent {
@@ -502,6 +528,11 @@ impl Session {
         mut inbound: Streaming<rlqs::RateLimitQuotaUsageReports>,
         stop: CancellationToken,
     ) {
+        if stop.is_cancelled() {
+            // Shutting down: the Envoy is to open its stream elsewhere.
+            let _ = self.tx.send(Err(Status::unavailable("this node is shutting down"))).await;
+            return;
+        }
         metrics::gauge!(STREAMS).increment(1.0);
         // Every stream's rounds fall on the same instants of the clock (multiples of
         // the round): holders of a chain then ask together, after the same refill,
@@ -514,11 +545,7 @@ impl Session {
         let end = loop {
             tokio::select! {
                 () = stop.cancelled() => {
-                    let all: Vec<_> =
-                        self.buckets.values().map(|b| abandon(b.id.clone())).collect();
-                    self.forget_all();
-                    counted("abandon", all.len());
-                    self.send(all).await;
+                    self.handover().await;
                     break Some(Status::unavailable(
                         "this node is shutting down: reconnect and subscribe again",
                     ));
@@ -539,6 +566,72 @@ impl Session {
         }
         self.forget_all();
         metrics::gauge!(STREAMS).decrement(1.0);
+    }
+
+    /// This node is shutting down: pays for what each bucket's assignment lets its
+    /// Envoy admit until it has reconnected elsewhere and been assigned again (its
+    /// reporting interval, measured, and the delivery slack), hands back what is
+    /// left, and denies the buckets that could not be paid. Nothing is abandoned:
+    /// Envoy erases an abandoned bucket and applies its no-assignment behaviour
+    /// (often allow-all) to its requests until the stream is open again, and it
+    /// reopens the stream only at its next report; a held assignment outlives the
+    /// stream until its TTL, and the next server's assignment replaces it.
+    async fn handover(&mut self) {
+        let now = self.owner.clock().now();
+        let ttl = self.ttl();
+        let gap = self.report_gap.max(nanos(self.config.round));
+        let horizon = now.saturating_add(gap + nanos(self.config.slack));
+        let period = horizon.saturating_sub(now);
+        let mut plan = Vec::new();
+        let mut items = Vec::new();
+        for (name, b) in &self.buckets {
+            let need = b.keep_need(horizon).unwrap_or(0);
+            if need == 0 && b.lease.1 == 0 {
+                continue;
+            }
+            plan.push((name.clone(), need));
+            items.push(b.item(need, period));
+        }
+        let grants = self.pay(items).await;
+        let mut actions = Vec::new();
+        let mut left = Vec::new();
+        let (mut extended, mut deny, mut fallback, mut paid) = (0, 0, 0, 0);
+        for ((name, need), grant) in plan.into_iter().zip(grants) {
+            let Some(b) = self.buckets.get_mut(&name) else { continue };
+            let sent = match (grant, b.sent) {
+                (Some(g), Some(held)) if g.units >= need => {
+                    paid += need;
+                    b.lease = (g.lease_id, g.units - need);
+                    if b.lease.1 > 0 {
+                        left.push(b.item(0, period));
+                    }
+                    // Paid through the horizon: re-sent (the same bucket, its tokens
+                    // kept) where its TTL would end before.
+                    if b.sent_at.saturating_add(nanos(ttl)) >= horizon {
+                        continue;
+                    }
+                    extended += 1;
+                    held
+                }
+                (Some(_), _) => {
+                    deny += 1;
+                    Sent::Deny
+                }
+                (None, _) => {
+                    fallback += 1;
+                    b.failure_policy()
+                }
+            };
+            actions.push(assignment(b.id.clone(), sent, ttl));
+        }
+        // What the grants left goes back now: there is no next round to take it.
+        self.pay(left).await;
+        metrics::counter!(PAID).increment(paid);
+        counted("extend", extended);
+        counted("deny", deny);
+        counted("fallback", fallback);
+        self.send(actions).await;
+        self.forget_all();
     }
 
     /// Drops every bucket from the counts.
@@ -619,7 +712,8 @@ impl Session {
                 denied.push(assignment(id, Sent::Deny, self.config.ttl));
                 continue;
             }
-            match self.subscribe(id.clone(), requests, now) {
+            let elapsed = usage.time_elapsed.map_or(0, |d| u64::try_from(d.seconds).unwrap_or(0));
+            match self.subscribe(id.clone(), requests, elapsed, now) {
                 Ok(b) => {
                     self.buckets.insert(name.clone(), b);
                     self.total.fetch_add(1, Ordering::Relaxed);
@@ -641,7 +735,15 @@ impl Session {
         Ok(())
     }
 
-    fn subscribe(&self, id: rlqs::BucketId, requests: u64, now: Nanos) -> Result<Bucket, String> {
+    /// A new bucket from its first report (`requests` over `elapsed` whole seconds,
+    /// as the Envoy says).
+    fn subscribe(
+        &self,
+        id: rlqs::BucketId,
+        requests: u64,
+        elapsed: u64,
+        now: Nanos,
+    ) -> Result<Bucket, String> {
         let domain = self.domain.as_deref().unwrap_or_default();
         let names = &self.owner.limits().names;
         let (tenant, route, key) = map_bucket(&self.mapping, names.key, domain, &id)?;
@@ -658,9 +760,17 @@ impl Session {
             tenant,
             route,
             key,
-            counted: requests,
+            counted: if requests > 1 { 0 } else { requests },
             since: now,
-            demand: 0.0,
+            // A bucket an Envoy reports with traffic at once (it had it before this
+            // stream: it comes from a node that shut down) starts from that traffic,
+            // over a round at least (Envoy's `time_elapsed` is whole seconds, often
+            // 0), rather than from nothing.
+            demand: if requests > 1 {
+                requests as f64 / (elapsed as f64).max(self.config.round.as_secs_f64())
+            } else {
+                0.0
+            },
             last_traffic: now,
             sent: None,
             paid_until: now,
@@ -728,22 +838,7 @@ impl Session {
                 continue;
             }
             plan.push((name.clone(), keep_need));
-            items.push(pb::LeaseItem {
-                tenant: b.tenant.clone(),
-                route: b.route.clone(),
-                key: b.key.clone().unwrap_or_default(),
-                lease_id: b.lease.0,
-                unspent: b.lease.1,
-                want: want.max(1),
-                cost: 0,
-                demand_per_sec: units_over(b.demand, NANOS_PER_SEC),
-                demand_milli: units_over(b.demand * 1_000.0, NANOS_PER_SEC),
-                // The time its ask pays for: the owner caps it at its part of the
-                // chain's rate over it.
-                renews_within: Some(crate::convert::duration(period_nanos)),
-                rates: true,
-                ..Default::default()
-            });
+            items.push(b.item(want.max(1), period_nanos));
         }
         let grants = self.pay(items).await;
         let (mut assigned, mut extended, mut deny, mut fallback) = (0, 0, 0, 0);

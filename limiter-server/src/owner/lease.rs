@@ -326,13 +326,13 @@ impl Owner {
         let shares = match slice_of {
             Some(_) => Shares::default(),
             None => {
-                let mut s = self.leases().shares(
-                    cid,
-                    holder,
-                    ask.cap().max(ask.cost),
-                    item.demand_per_sec,
-                    now,
-                );
+                // In thousandths of a unit a second: an Envoy's demand for a bucket
+                // is often under a unit a second.
+                let demand = match item.demand_milli {
+                    0 => item.demand_per_sec.saturating_mul(book::DEMAND_SCALE),
+                    milli => milli,
+                };
+                let mut s = self.leases().shares(cid, holder, ask.cap().max(ask.cost), demand, now);
                 if rates {
                     // Never direct: a rate is divided however small the budget; and
                     // not held to half of what is left (see `Shares::whole`).

@@ -860,9 +860,13 @@ impl Session {
                 b.on_failure = g.on_failure;
             }
             let units = g.units;
-            // Its part of the chain's rate (the owner's, by demand), over what its ask
-            // paid for; what it should hold is that or its demand, the lower.
-            b.part = if g.rate_part > 0 { g.rate_part as f64 / period } else { f64::INFINITY };
+            // Its part of the chain's rate (the owner's, by demand, unrounded); what
+            // it should hold is that or its demand, the lower.
+            b.part = match (g.rate_part_milli, g.rate_part) {
+                (0, 0) => f64::INFINITY,
+                (0, units) => units as f64 / period,
+                (milli, _) => milli as f64 / 1_000.0,
+            };
             let fair = b.target().min(b.part);
             let (changed, used) = b.choose(units, now, horizon, burst, fair);
             let (sent, used) = match (b.sent, keep_need) {

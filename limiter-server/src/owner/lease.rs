@@ -67,7 +67,14 @@ const RATE_PART_MIN: u64 = 3;
 /// cut to it: dividing
 /// what is left instead would pay whoever asks first after a refill, since the
 /// holders' rounds do not line up.
-fn rate_part(chain: &Chain<'_>, shares: Shares, item: &pb::LeaseItem, now: Nanos) -> Option<u64> {
+///
+/// Returns the units and the part as a rate, in thousandths of a unit a second.
+fn rate_part(
+    chain: &Chain<'_>,
+    shares: Shares,
+    item: &pb::LeaseItem,
+    now: Nanos,
+) -> Option<(u64, u64)> {
     let (mine, all) = shares.demand;
     let period = item.renews_within.as_ref().map_or(0, convert::nanos_of);
     if period == 0 || mine == 0 || all < mine {
@@ -84,7 +91,8 @@ fn rate_part(chain: &Chain<'_>, shares: Shares, item: &pb::LeaseItem, now: Nanos
     if !per_sec.is_finite() {
         return None;
     }
-    let part = per_sec * mine as f64 / all as f64 * period as f64 / NANOS_PER_SEC as f64;
+    let rate = per_sec * mine as f64 / all as f64;
+    let part = rate * period as f64 / NANOS_PER_SEC as f64;
     // A part smaller than the smallest assignment's cost is that cost with the
     // probability that pays the part on average (a new bucket then lasts that many
     // rounds), else the part rounded up (what keeping a slow bucket costs).
@@ -92,8 +100,8 @@ fn rate_part(chain: &Chain<'_>, shares: Shares, item: &pb::LeaseItem, now: Nanos
     let draw = (shares.dice >> 11) as f64 / (1u64 << 53) as f64;
     let part = if part < min && draw * min < part { min } else { part.ceil() };
     #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
-    let units = part.max(1.0) as u64;
-    Some(units)
+    let (units, milli) = (part.max(1.0) as u64, (rate * 1_000.0).ceil().max(1.0) as u64);
+    Some((units, milli))
 }
 
 /// What one lease call granted: the counters it charged and the leases it opened
@@ -347,12 +355,12 @@ impl Owner {
             // Its part of the rate already divides the chain among its holders:
             // what is left is not divided again (a part of what is left would pay
             // whoever asks first after a refill), only never exceeded.
-            Some(units) => {
+            Some((units, _)) => {
                 (Ask { want: ask.want.min(units), ..ask }, Shares { others: 0, ..shares })
             }
             None => (ask, shares),
         };
-        grant.rate_part = part.unwrap_or(0);
+        (grant.rate_part, grant.rate_part_milli) = part.unwrap_or((0, 0));
         let renewal = Renewal { back, ask, shares };
         if slice_of.is_none()
             && !exact

@@ -286,6 +286,9 @@ const DRAIN_LIMITS: [u64; 4] = [40, 60, 90, 150];
 const DRAIN_ENVOYS: usize = 4;
 const DRAIN_RUN: Duration = Duration::from_secs(10);
 const DRAIN_AT: Duration = Duration::from_secs(4);
+/// Longer than a round and its slack, so that an Envoy may reconnect well after
+/// what the drained node's last round paid for.
+const DRAIN_REPORTING: Duration = Duration::from_millis(1_500);
 
 /// Three server processes; each domain's Envoys open their streams on different
 /// nodes (the cluster's endpoints in turn), so streams on every node pay for
@@ -343,7 +346,7 @@ async fn a_drained_nodes_envoys_subscribe_elsewhere_with_nothing_over_the_limits
             let config = EnvoyConfig {
                 urls,
                 domain: domains[d].clone(),
-                reporting_interval: REPORTING,
+                reporting_interval: DRAIN_REPORTING,
                 no_assignment: Blanket::Deny,
                 expired: None,
             };

@@ -293,10 +293,12 @@ struct Bucket {
     tenant: String,
     route: String,
     key: Option<String>,
-    /// Requests reported (allowed and denied) since the last round.
+    /// Requests reported (allowed and denied) since the demand was last measured.
     counted: u64,
-    /// When the last round read `counted` (or the bucket subscribed).
+    /// The report the demand was last measured up to (or the subscription).
     since: Nanos,
+    /// When the last report of it arrived.
+    reported: Nanos,
     /// Requests a second, smoothed over rounds.
     demand: f64,
     /// The last report with requests in it.
@@ -317,9 +319,12 @@ struct Bucket {
 }
 
 impl Bucket {
-    /// Folds the requests counted since the last round into the demand.
-    fn measure(&mut self, now: Nanos) {
-        let secs = now.saturating_sub(self.since) as f64 / NANOS_PER_SEC as f64;
+    /// Folds the requests reported since the last measure into the demand, over the
+    /// time between the reports that carried them: an Envoy may report less often
+    /// than every round (a round with no report in it says nothing of demand).
+    fn measure(&mut self) {
+        let upto = self.reported;
+        let secs = upto.saturating_sub(self.since) as f64 / NANOS_PER_SEC as f64;
         if secs <= 0.0 {
             return;
         }
@@ -336,7 +341,7 @@ impl Bucket {
             DEMAND_WEIGHT * latest + (1.0 - DEMAND_WEIGHT) * self.demand
         };
         self.counted = 0;
-        self.since = now;
+        self.since = upto;
     }
 
     /// The rate it asks for: its demand with headroom, at least [`FLOOR_RATE`].
@@ -700,6 +705,7 @@ impl Session {
             let requests = usage.num_requests_allowed.saturating_add(usage.num_requests_denied);
             if let Some(b) = self.buckets.get_mut(&name) {
                 b.counted = b.counted.saturating_add(requests);
+                b.reported = now;
                 if requests > 0 {
                     b.last_traffic = now;
                 }
@@ -762,6 +768,7 @@ impl Session {
             key,
             counted: if requests > 1 { 0 } else { requests },
             since: now,
+            reported: now,
             // A bucket an Envoy reports with traffic at once (it had it before this
             // stream: it comes from a node that shut down) starts from that traffic,
             // over a round at least (Envoy's `time_elapsed` is whole seconds, often
@@ -813,7 +820,7 @@ impl Session {
                 continue;
             }
             if !fresh_only {
-                b.measure(now);
+                b.measure();
             }
             let keep_need = b.keep_need(horizon);
             // Asked for: what keeping costs while what it holds is within a tenth of

@@ -297,7 +297,15 @@ const DRAIN_REPORTING: Duration = Duration::from_millis(1_500);
 /// next owners, its streams pay their Envoys' assignments until they have
 /// reconnected, and its Envoys open their streams on the next endpoint and subscribe
 /// again. Judged per bucket by the reference at zero tolerance over the whole run,
-/// the drain included; every Envoy is served again after it.
+/// the drain included; every Envoy is served again after it, and nothing is
+/// admitted by a blanket rule (no free pass while it reconnects).
+///
+/// What this cannot see: the reference finds an admission beyond what was paid
+/// only where the fleet uses all of a limit. At this fleet's use (91-95%) a
+/// bucket's unspent burst absorbs an Envoy's unpaid time after the drain: with the
+/// drained node's last payment taken out, two runs also showed 0 over. That
+/// payment (the held rate until the Envoy has reconnected and been assigned again)
+/// is exact by construction, not by this measurement.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_drained_nodes_envoys_subscribe_elsewhere_with_nothing_over_the_limits() {
     use limiter_proto::limiter::v1 as pb;

@@ -587,6 +587,7 @@ impl Session {
         let gap = self.report_gap.max(nanos(self.config.round));
         let horizon = now.saturating_add(gap + nanos(self.config.slack));
         let period = horizon.saturating_sub(now);
+        let burst = self.config.burst.as_secs_f64();
         let mut plan = Vec::new();
         let mut items = Vec::new();
         for (name, b) in &self.buckets {
@@ -618,9 +619,22 @@ impl Session {
                     extended += 1;
                     held
                 }
-                (Some(_), _) => {
-                    deny += 1;
-                    Sent::Deny
+                (Some(g), _) => {
+                    // Not enough to keep it: the best smaller bucket what was
+                    // granted pays for until the horizon, else nothing.
+                    let fair = b.target().min(b.part);
+                    let (sent, used) = b.choose(g.units, now, horizon, burst, fair);
+                    paid += used;
+                    b.lease = (g.lease_id, g.units - used);
+                    if b.lease.1 > 0 {
+                        left.push(b.item(0, period));
+                    }
+                    if sent == Sent::Deny {
+                        deny += 1;
+                    } else {
+                        extended += 1;
+                    }
+                    sent
                 }
                 (None, _) => {
                     fallback += 1;

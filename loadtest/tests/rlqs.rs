@@ -329,11 +329,12 @@ async fn a_drained_nodes_envoys_subscribe_elsewhere_with_nothing_over_the_limits
     let mut owners = Vec::new();
     for _ in 0..200 {
         let t = topo.topology(pb::TopologyRequest { tenants: domains.clone() }).await;
-        if let Some(t) = t.ok().map(tonic::Response::into_inner) {
-            if t.members.len() == 3 && t.ready {
-                owners = t.owners;
-                break;
-            }
+        if let Some(t) = t.ok().map(tonic::Response::into_inner)
+            && t.members.len() == 3
+            && t.ready
+        {
+            owners = t.owners;
+            break;
         }
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
@@ -403,9 +404,9 @@ async fn a_drained_nodes_envoys_subscribe_elsewhere_with_nothing_over_the_limits
     let sharing: Vec<Vec<usize>> =
         (0..DRAIN_DOMAINS).map(|d| (d * DRAIN_ENVOYS..(d + 1) * DRAIN_ENVOYS).collect()).collect();
     let mut buckets = Vec::new();
-    for d in 0..DRAIN_DOMAINS {
+    for (d, envoys) in sharing.iter().enumerate() {
         for (r, &l) in DRAIN_LIMITS.iter().enumerate() {
-            buckets.push((format!("d{d}/b{r}"), &ids[r], l, &sharing[d][..]));
+            buckets.push((format!("d{d}/b{r}"), &ids[r], l, &envoys[..]));
         }
     }
     let exact = exactness(&envoys, &buckets, start);

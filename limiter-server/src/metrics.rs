@@ -145,6 +145,21 @@ const DELAY_BUCKETS: &[f64] = &[
     1.0, 2.0, 5.0,
 ];
 
+/// Metric: Envoy RLQS streams open now.
+pub const RLQS_STREAMS: &str = "limiter_rlqs_streams";
+/// Metric: buckets subscribed on this node's RLQS streams now.
+pub const RLQS_BUCKETS: &str = "limiter_rlqs_buckets";
+/// Metric: actions sent to Envoys, by `action` (`assign`: a new or changed token
+/// bucket; `extend`: the same re-sent; `deny`; `fallback`: a failure policy's;
+/// `abandon`).
+pub const RLQS_ACTIONS: &str = "limiter_rlqs_actions_total";
+/// Metric: RLQS buckets refused, by `reason` (`invalid`: no id, unmappable or bad
+/// names; `over_cap`: beyond `rlqs.max_buckets` on the stream or
+/// `rlqs.max_total_buckets` on the node).
+pub const RLQS_REFUSED: &str = "limiter_rlqs_refused_buckets_total";
+/// Metric: units paid for Envoys' RLQS assignments (granted less handed back).
+pub const RLQS_PAID: &str = "limiter_rlqs_paid_units_total";
+
 /// The process-wide recorder, installed on first use. Several servers in one process
 /// (tests) share it.
 pub fn handle() -> &'static PrometheusHandle {
@@ -272,17 +287,14 @@ fn describe() {
     describe_counter!(REPLICATION_FULL, "Full copies sent to a replica, by why.");
     describe_counter!(REPLICA_TAKEOVERS, "Tenants taken over from a lost owner's replica.");
     describe_counter!(STATE_RESETS, "Tenants whose counters began afresh, by reason.");
-    describe_gauge!(crate::api::rlqs::STREAMS, "Envoy RLQS streams open now.");
-    describe_gauge!(crate::api::rlqs::BUCKETS, "Buckets subscribed on this node's RLQS streams.");
+    describe_gauge!(RLQS_STREAMS, "Envoy RLQS streams open now.");
+    describe_gauge!(RLQS_BUCKETS, "Buckets subscribed on this node's RLQS streams.");
     describe_counter!(
-        crate::api::rlqs::ACTIONS,
+        RLQS_ACTIONS,
         "Actions sent to Envoys on RLQS streams, by action: assign, extend, deny, fallback, abandon."
     );
-    describe_counter!(
-        crate::api::rlqs::REFUSED,
-        "RLQS buckets refused (denied), by reason: invalid, over_cap."
-    );
-    describe_counter!(crate::api::rlqs::PAID, "Units paid for Envoys' RLQS assignments.");
+    describe_counter!(RLQS_REFUSED, "RLQS buckets refused (denied), by reason: invalid, over_cap.");
+    describe_counter!(RLQS_PAID, "Units paid for Envoys' RLQS assignments.");
 }
 
 /// Which API a decision came through (a label).

@@ -75,20 +75,10 @@ use tonic::{Request as GrpcRequest, Response, Status, Streaming};
 use crate::config::{EnvoyMapping, RlqsConfig, TenantFrom};
 use crate::owner::Owner;
 
-/// Metric: RLQS streams open now.
-pub const STREAMS: &str = "limiter_rlqs_streams";
-/// Metric: buckets subscribed on this node's streams now.
-pub const BUCKETS: &str = "limiter_rlqs_buckets";
-/// Metric: actions sent to Envoys, by `action` (`assign`: a new or changed token
-/// bucket; `extend`: the same re-sent; `deny`; `fallback`: a failure policy's;
-/// `abandon`).
-pub const ACTIONS: &str = "limiter_rlqs_actions_total";
-/// Metric: buckets refused, by `reason` (`invalid`: no id, unmappable or bad names;
-/// `over_cap`: beyond `rlqs.max_buckets` on the stream or `rlqs.max_total_buckets` on
-/// the node).
-pub const REFUSED: &str = "limiter_rlqs_refused_buckets_total";
-/// Metric: units paid for Envoys' assignments (granted less handed back).
-pub const PAID: &str = "limiter_rlqs_paid_units_total";
+use crate::metrics::{
+    RLQS_ACTIONS as ACTIONS, RLQS_BUCKETS as BUCKETS, RLQS_PAID as PAID, RLQS_REFUSED as REFUSED,
+    RLQS_STREAMS as STREAMS,
+};
 
 /// A held rate is kept unless a new bucket would buy more than this factor of it
 /// (each change gives the Envoy a full new bucket); and a round asks only for what

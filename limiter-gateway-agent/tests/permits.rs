@@ -130,18 +130,20 @@ tenants:
     }
     let mut each = Vec::new();
     let mut calls = 0;
+    let mut all_stats = Vec::new();
     for t in tasks {
         let (admitted, stats) = t.await.unwrap();
         assert!(admitted > 0, "an agent was never served: {stats:?}");
         each.push(admitted);
         calls += stats.owner_calls;
+        all_stats.push(stats);
     }
     let total: u64 = each.iter().sum();
     let worst = worst.load(Ordering::SeqCst);
     println!("admitted {total} {each:?}, owner calls {calls}, most in flight {worst}");
     // No agent kept out: each gets at least a quarter of an even share.
     let least = each.iter().copied().min().unwrap_or(0);
-    assert!(least * 40 >= total, "an agent got {least} of {total}: {each:?}");
+    assert!(least * 40 >= total, "an agent got {least} of {total}: {each:?}\n{all_stats:#?}");
     assert!(worst <= LIMIT, "{worst} in flight with a limit of {LIMIT}");
     assert_eq!(worst, LIMIT, "the limit was reached (the test can see an excess)");
 }

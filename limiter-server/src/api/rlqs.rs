@@ -99,6 +99,9 @@ const MAX_FILL_SECS: u32 = 60;
 const ACTIONS_PER_MESSAGE: usize = 1_000;
 /// How much of the latest round's demand the estimate takes (the rest is history).
 const DEMAND_WEIGHT: f64 = 0.25;
+/// The longest reporting interval the TTLs and a drain's payment follow (30 s):
+/// TTLs are at most twice it, a drain pays at most this long of a bucket's rate.
+const MAX_REPORT_GAP: Nanos = 30 * NANOS_PER_SEC;
 
 /// The service over an [`Owner`].
 #[derive(Debug, Clone)]
@@ -694,7 +697,9 @@ impl Session {
         }
         let now = self.owner.clock().now();
         if self.last_message > 0 {
-            let gap = now.saturating_sub(self.last_message);
+            // Counted up to a bound: a client that reports rarely would otherwise
+            // choose its TTLs and what a drain pays for it.
+            let gap = now.saturating_sub(self.last_message).min(MAX_REPORT_GAP);
             self.report_gap = gap.max(self.report_gap - self.report_gap / 8);
         }
         self.last_message = now;

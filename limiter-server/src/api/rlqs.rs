@@ -45,7 +45,8 @@
 //! - **Drain.** When this node shuts down (after its counters went to their next
 //!   owners), each stream pays for what its Envoy's assignments let it admit until
 //!   it has reconnected and been assigned again (its reporting interval, measured,
-//!   and the delivery slack), denies what it cannot pay, and ends with
+//!   and the delivery slack), gives a bucket it cannot keep the best smaller one
+//!   it can pay for (or `DENY_ALL`), and ends with
 //!   `UNAVAILABLE`; the Envoy keeps its assignments, reopens the stream (to another
 //!   node) at its next report, and subscribes every bucket again there, whose first
 //!   report carries its traffic. Buckets are not abandoned: Envoy would apply its
@@ -569,7 +570,8 @@ impl Session {
     /// This node is shutting down: pays for what each bucket's assignment lets its
     /// Envoy admit until it has reconnected elsewhere and been assigned again (its
     /// reporting interval, measured, and the delivery slack), hands back what is
-    /// left, and denies the buckets that could not be paid. Nothing is abandoned:
+    /// left, and gives a bucket whose keep could not be paid the best smaller one
+    /// the grant pays for (or `DENY_ALL`). Nothing is abandoned:
     /// Envoy erases an abandoned bucket and applies its no-assignment behaviour
     /// (often allow-all) to its requests until the stream is open again, and it
     /// reopens the stream only at its next report; a held assignment outlives the
@@ -594,7 +596,7 @@ impl Session {
         let grants = self.pay(items).await;
         let mut actions = Vec::new();
         let mut left = Vec::new();
-        let (mut extended, mut deny, mut fallback, mut paid) = (0, 0, 0, 0);
+        let (mut assigned, mut extended, mut deny, mut fallback, mut paid) = (0, 0, 0, 0, 0);
         for ((name, need), grant) in plan.into_iter().zip(grants) {
             let Some(b) = self.buckets.get_mut(&name) else { continue };
             let sent = match (grant, b.sent) {
@@ -625,7 +627,7 @@ impl Session {
                     if sent == Sent::Deny {
                         deny += 1;
                     } else {
-                        extended += 1;
+                        assigned += 1;
                     }
                     sent
                 }
@@ -639,6 +641,7 @@ impl Session {
         // What the grants left goes back now: there is no next round to take it.
         self.pay(left).await;
         metrics::counter!(PAID).increment(paid);
+        counted("assign", assigned);
         counted("extend", extended);
         counted("deny", deny);
         counted("fallback", fallback);

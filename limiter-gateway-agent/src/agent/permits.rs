@@ -9,7 +9,10 @@
 //! others were refused lately; if so, the renewed block drains: nothing more is lent
 //! from it, and it goes back once what runs fits in the rest. Freed permits go to
 //! whoever asks the owner first, so agents that wait are served within rounds, not
-//! when the busy ones idle.
+//! when the busy ones idle. A pool that gave a block back because others wait does
+//! not ask for one again for [`YIELD`]: its own next request would otherwise reach
+//! the owner first (its release and its ask leave together) and take the same
+//! permits back, and the agents that wait would never see them.
 
 use super::*;
 use crate::pool::PermitPool;
@@ -19,6 +22,10 @@ use limiter_core::holder::Margin;
 use limiter_proto::limiter::v1 as pb;
 use std::sync::Weak;
 use std::sync::atomic::{AtomicBool, AtomicU8};
+
+/// How long a pool that gave a block back to agents that wait holds its own asks
+/// (its requests wait that long for a permit, then ask as everyone else does).
+pub(super) const YIELD: std::time::Duration = std::time::Duration::from_millis(20);
 
 /// The pool does not decide (the chain has no concurrency level, or the owner does
 /// not lease it).
@@ -41,6 +48,8 @@ pub(super) struct Pool {
     /// A block drains: a returned permit wakes the pool's task to give it back.
     draining: AtomicBool,
     wake: tokio::sync::Notify,
+    /// When the pool last gave a block back because others waited.
+    yielded_at: AtomicU64,
 }
 
 #[derive(Debug, Default)]
@@ -117,6 +126,11 @@ impl Pool {
         }
         self.draining.store(draining > 0, Ordering::Relaxed);
         out
+    }
+
+    /// Notes that blocks went back to agents that wait (at `now`).
+    fn yielded(&self, now: Nanos) {
+        self.yielded_at.store(now.max(1), Ordering::Relaxed);
     }
 
     /// Drops the blocks ended by `now` (their units are the owner's again) and sets
@@ -421,6 +435,17 @@ impl Inner {
         if let Some(p) = slot.take_permit(now, cost) {
             return Ok(Took::Permit(p, false));
         }
+        // Gave a block back to agents that wait: they ask first.
+        let yielded = pool.yielded_at.load(Ordering::Relaxed);
+        let hold = nanos(YIELD);
+        if yielded > 0 && now.saturating_sub(yielded) < hold {
+            let wait = hold - now.saturating_sub(yielded);
+            tokio::time::sleep(std::time::Duration::from_nanos(wait)).await;
+        }
+        let now = self.clock.now();
+        if let Some(p) = slot.take_permit(now, cost) {
+            return Ok(Took::Permit(p, false));
+        }
         if !self.breaker.allow(now) {
             return Ok(Took::Answer(self.fallback(slot.key.route(), cost)));
         }
@@ -538,6 +563,9 @@ impl Inner {
             pool.tidy(&mut b, now);
             // Drained; or not needed: the peak fits without it (largest first).
             let mut spare = pool.drained(&mut b);
+            if !spare.is_empty() {
+                pool.yielded(now);
+            }
             b.held.sort_by_key(|k| std::cmp::Reverse(k.units));
             let mut i = 0;
             while i < b.held.len() {
@@ -675,6 +703,9 @@ async fn tend_loop(inner: Weak<Inner>, slot: Arc<Slot>, cancel: CancellationToke
                 () = pool.wake.notified() => {
                     let Some(inner) = inner.upgrade() else { return };
                     let drained = pool.drained(&mut pool.blocks.lock());
+                    if !drained.is_empty() {
+                        pool.yielded(inner.clock.now());
+                    }
                     for id in drained {
                         let _ = inner.permit_call(&slot, id, false).await;
                     }

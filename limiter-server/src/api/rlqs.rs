@@ -86,7 +86,14 @@ use crate::metrics::{
 /// keeping costs while the held rate is within this factor of its part either way.
 const KEEP_WITHIN: f64 = 1.1;
 /// A rate held above its part by more than this factor comes down.
-const COME_DOWN: f64 = 1.25;
+const COME_DOWN: f64 = 1.1;
+/// How soon a change of rate must pay for its new bucket: a held rate is changed
+/// only where the difference over this long is at least the new bucket's
+/// `max_tokens` (what the change costs at once). A slow part's rate moves with the
+/// noise of a few requests; changing it each time would spend more on new buckets
+/// than the difference is worth. Seconds, for a rate that goes up (the Envoy's own
+/// loss while it waits) and for one that comes down (the others' loss: sooner).
+const CHANGE_PAYS_WITHIN: (f64, f64) = (2.0, 4.0);
 /// What is asked for above the measured demand, so that growth shows as demand.
 const HEADROOM: f64 = 1.5;
 /// The least rate asked for a subscribed bucket, units a second (a bucket that sees
@@ -221,6 +228,13 @@ impl Sent {
     }
 }
 
+/// Whether changing a held rate `from` to `to` is worth a new bucket (see
+/// [`CHANGE_PAYS_WITHIN`]).
+fn worth_changing(from: f64, to: f64, burst: f64) -> bool {
+    let within = if to > from { CHANGE_PAYS_WITHIN.0 } else { CHANGE_PAYS_WITHIN.1 };
+    (from - to).abs() * within >= capacity(to, burst) as f64
+}
+
 /// `rate` (units a second) as whole tokens per whole seconds, never above it: the
 /// shortest fill interval within 3% of it, else the closest; `None` below one token
 /// a minute.
@@ -310,6 +324,14 @@ struct Bucket {
     /// Its part of the chain's rate, units a second, from the last grant (infinite
     /// while unknown).
     part: f64,
+    /// Units its part has earned and its assignments have not spent (earned at what
+    /// it should hold, spent as paid), within a new bucket's worth either way: a
+    /// new bucket's `max_tokens` (paid at once, however slow its rate) is bought
+    /// only from what it earned, so a slow part does not gain a bucket's worth over
+    /// its part at each change.
+    credit: f64,
+    /// When `credit` was last earned up to.
+    credited_at: Nanos,
 }
 
 impl Bucket {
@@ -324,11 +346,13 @@ impl Bucket {
         }
         let latest = self.counted as f64 / secs;
         // A swing (a count more than three standard deviations of Poisson arrivals
-        // off the estimate) is taken at once; the noise of a few requests a round is
-        // smoothed, so that it does not change the bucket (each change costs a full
-        // new bucket).
+        // off the estimate, on the square-root scale where their spread is the same
+        // whatever the mean: a fall from 11 expected to 1 is one, which the normal
+        // bound, 3 * sqrt(11), misses) is taken at once; the noise of a few requests
+        // a round is smoothed, so that it does not change the bucket (each change
+        // costs a full new bucket).
         let expected = self.demand * secs;
-        let swing = (self.counted as f64 - expected).abs() > 3.0 * expected.sqrt() + 1.0;
+        let swing = 2.0 * ((self.counted as f64).sqrt() - expected.sqrt()).abs() > 3.0;
         self.demand = if (self.sent.is_none() && self.demand == 0.0) || swing {
             latest
         } else {
@@ -336,6 +360,30 @@ impl Bucket {
         };
         self.counted = 0;
         self.since = upto;
+    }
+
+    /// Earns its part's rate (what it should hold) since it last earned, up to
+    /// `now`; the credit stays within a new bucket's worth (its `max_tokens` and a
+    /// second of its rate) either way.
+    fn earn(&mut self, now: Nanos, burst: f64) {
+        let fair = self.target().min(self.part);
+        if fair.is_finite() {
+            let secs = now.saturating_sub(self.credited_at) as f64 / NANOS_PER_SEC as f64;
+            let most = capacity(fair, burst) as f64 + fair;
+            self.credit = (self.credit + fair * secs).clamp(-most, most);
+        }
+        self.credited_at = now;
+    }
+
+    /// Whether it may buy `s` as a new bucket: its first assignment, or what its
+    /// part earned covers the bucket's `max_tokens`.
+    fn may_buy(&self, s: Sent) -> bool {
+        match s {
+            Sent::Tokens { max_tokens, .. } => {
+                self.sent.is_none() || self.credit >= f64::from(max_tokens)
+            }
+            Sent::Deny => true,
+        }
     }
 
     /// The rate it asks for: its demand with headroom, at least [`FLOOR_RATE`].
@@ -797,6 +845,8 @@ impl Session {
             lease: (0, 0),
             on_failure: None,
             part: f64::INFINITY,
+            credit: 0.0,
+            credited_at: now,
         })
     }
 
@@ -834,6 +884,7 @@ impl Session {
             if !fresh_only {
                 b.measure();
             }
+            b.earn(now, burst);
             let keep_need = b.keep_need(horizon);
             // Asked for: what keeping costs while what it holds is within a tenth of
             // what it should hold (its demand, within its part of the rate as last
@@ -841,11 +892,27 @@ impl Session {
             // and not used are out of reach of the others until the next round.
             let fair = b.target().min(b.part);
             let keeps = b.sent.is_some_and(|s| {
-                s != Sent::Deny && s.rate() <= fair * KEEP_WITHIN && s.rate() * KEEP_WITHIN >= fair
+                s != Sent::Deny
+                    && ((s.rate() <= fair * KEEP_WITHIN && s.rate() * KEEP_WITHIN >= fair)
+                        || !worth_changing(s.rate(), fair, burst))
             });
-            let want = match keep_need {
-                Some(need) if keeps => need,
-                _ => capacity(fair, burst) + units_over(fair, horizon.saturating_sub(now)),
+            // A new bucket pays its `max_tokens` at once: its ask covers its part's
+            // rate for as long as those tokens last at it (at least the burst), so
+            // that a slow part (whose least capacity is many times its rate over the
+            // burst) can buy a bucket at its part, as a fast one can.
+            let buys = b.sent.is_none() || b.credit >= capacity(fair, burst) as f64;
+            let (want, paid_for) = match keep_need {
+                Some(need) if keeps || !buys => (need, period_nanos),
+                None if !buys => (1, period_nanos),
+                _ => {
+                    let cap = capacity(fair, burst);
+                    let lasts = nanos_for(cap, fair)
+                        .clamp(nanos(self.config.burst), u64::from(MAX_FILL_SECS) * NANOS_PER_SEC);
+                    (
+                        cap + units_over(fair, horizon.saturating_sub(now)),
+                        horizon.saturating_sub(now).saturating_add(lasts),
+                    )
+                }
             };
             if keeps && want == 0 && b.lease.1 == 0 {
                 // A slow bucket paid beyond the horizon, nothing to give back: no
@@ -857,7 +924,7 @@ impl Session {
                 continue;
             }
             plan.push((name.clone(), keep_need));
-            items.push(b.item(want.max(1), period_nanos));
+            items.push(b.item(want.max(1), paid_for));
         }
         let grants = self.pay(items).await;
         let (mut assigned, mut extended, mut deny, mut fallback) = (0, 0, 0, 0);
@@ -887,7 +954,10 @@ impl Session {
                 (milli, _) => milli as f64 / 1_000.0,
             };
             let fair = b.target().min(b.part);
-            let (changed, used) = b.choose(units, now, horizon, burst, fair);
+            let (changed, used) = match b.choose(units, now, horizon, burst, fair) {
+                (s, _) if b.sent != Some(s) && !b.may_buy(s) => (Sent::Deny, 0),
+                c => c,
+            };
             let (sent, used) = match (b.sent, keep_need) {
                 // What it holds is paid for: kept unless it is over its part by more
                 // than a quarter (it must come down, to nothing if a smaller bucket is
@@ -895,14 +965,17 @@ impl Session {
                 // buy more than a tenth more (a change costs a full new bucket).
                 (Some(held), Some(need))
                     if units >= need
-                        && held.rate() <= fair * COME_DOWN
-                        && changed.rate() <= held.rate() * KEEP_WITHIN =>
+                        && (held.rate() <= fair * COME_DOWN
+                            || !worth_changing(held.rate(), fair, burst))
+                        && (changed.rate() <= held.rate() * KEEP_WITHIN
+                            || !worth_changing(held.rate(), changed.rate(), burst)) =>
                 {
                     (held, need)
                 }
                 _ => (changed, used),
             };
             paid += used;
+            b.credit -= used as f64;
             b.lease = (g.lease_id, units - used);
             // Paid until when: whole units buy a little past the horizon, which the
             // next round need not pay again (a slow rate would otherwise pay a unit
@@ -1023,5 +1096,80 @@ mod tests {
         assert_eq!(canonical(&a), canonical(&b));
         let err = map_bucket(&m, 256, "acme", &id(&[("user", "u1")])).unwrap_err();
         assert!(err.contains("`route`"), "{err}");
+    }
+
+    fn bucket(demand: f64) -> Bucket {
+        Bucket {
+            id: rlqs::BucketId::default(),
+            tenant: "t".into(),
+            route: "/r".into(),
+            key: None,
+            counted: 0,
+            since: 0,
+            reported: 0,
+            demand,
+            last_traffic: 0,
+            sent: Some(Sent::Tokens { max_tokens: 2, tokens: 10, fill_secs: 1 }),
+            paid_until: 0,
+            sent_at: 0,
+            lease: (0, 0),
+            on_failure: None,
+            part: f64::INFINITY,
+            credit: 0.0,
+            credited_at: 0,
+        }
+    }
+
+    /// The demand estimate after `counted` requests over half a second, from `demand`.
+    fn measured(demand: f64, counted: u64) -> f64 {
+        let mut b = bucket(demand);
+        b.counted = counted;
+        b.reported = NANOS_PER_SEC / 2;
+        b.measure();
+        b.demand
+    }
+
+    #[test]
+    fn a_fall_in_demand_is_taken_at_once_and_noise_is_smoothed() {
+        // 22 a second, then 1 request in half a second (11 expected): a swing.
+        assert!((measured(22.0, 1) - 2.0).abs() < 1e-9);
+        // And a rise from 2 a second to 20.
+        assert!((measured(2.0, 10) - 20.0).abs() < 1e-9);
+        // 9 of 11 expected, 120 of 100: noise, a quarter of the way.
+        assert!((measured(22.0, 9) - (0.25 * 18.0 + 0.75 * 22.0)).abs() < 1e-9);
+        assert!((measured(200.0, 120) - (0.25 * 240.0 + 0.75 * 200.0)).abs() < 1e-9);
+    }
+
+    #[test]
+    fn a_rate_changes_only_where_the_difference_pays_for_the_new_bucket() {
+        // Two tokens of capacity: up by a unit a second pays within 2 s, down by half
+        // a unit within 4 s.
+        assert!(worth_changing(1.0, 2.0, 0.1));
+        assert!(!worth_changing(1.0, 1.9, 0.1));
+        assert!(worth_changing(2.0, 1.5, 0.1));
+        assert!(!worth_changing(2.0, 1.6, 0.1));
+        // 100 to 90 a second: a new bucket of 9 tokens, worth it.
+        assert!(worth_changing(100.0, 90.0, 0.1));
+    }
+
+    #[test]
+    fn a_new_bucket_is_bought_from_what_the_part_earned() {
+        let mut b = bucket(2.0);
+        b.part = 0.5;
+        let new = Sent::Tokens { max_tokens: 2, tokens: 1, fill_secs: 2 };
+        assert!(!b.may_buy(new), "nothing earned yet");
+        // Half a unit a second (its demand's target is higher): 2 tokens in 4 s.
+        b.earn(3 * NANOS_PER_SEC, 0.1);
+        assert!(!b.may_buy(new));
+        b.earn(4 * NANOS_PER_SEC, 0.1);
+        assert!(b.may_buy(new));
+        // Earned within a new bucket's worth: idle time is not saved up.
+        b.earn(100 * NANOS_PER_SEC, 0.1);
+        assert!((b.credit - 2.5).abs() < 1e-9, "{}", b.credit);
+        // A first assignment needs nothing earned; nothing is bought for `DENY`.
+        b.sent = None;
+        b.credit = -5.0;
+        assert!(b.may_buy(new));
+        assert!(b.may_buy(Sent::Deny));
     }
 }

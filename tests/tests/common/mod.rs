@@ -137,14 +137,41 @@ pub(crate) async fn start_nodes(
 ) -> (std::path::PathBuf, Vec<Node>, Vec<ServerProcess>) {
     let file = dir.join("policies.yaml");
     std::fs::write(&file, policy).unwrap();
-    let nodes: Vec<Node> = ids.iter().map(|id| Node::new(id)).collect();
-    let peers = Node::static_peers(&nodes);
-    let procs: Vec<ServerProcess> = nodes.iter().map(|n| n.spawn(&file, &peers, extra)).collect();
-    for (p, n) in procs.iter().zip(&nodes) {
-        p.wait_ready().await;
-        wait_members(&mut client(n.grpc).await, nodes.len()).await;
+    // A port chosen free may be taken by another test before the node binds it (the
+    // node then exits): the cluster starts again on new ports, three times at most.
+    for _ in 0..3 {
+        let nodes: Vec<Node> = ids.iter().map(|id| Node::new(id)).collect();
+        let peers = Node::static_peers(&nodes);
+        let mut procs: Vec<ServerProcess> =
+            nodes.iter().map(|n| n.spawn(&file, &peers, extra)).collect();
+        if !all_up(&mut procs).await {
+            continue;
+        }
+        for (p, n) in procs.iter().zip(&nodes) {
+            p.wait_ready().await;
+            wait_members(&mut client(n.grpc).await, nodes.len()).await;
+        }
+        return (file, nodes, procs);
     }
-    (file, nodes, procs)
+    panic!("a node exited while starting, three times");
+}
+
+/// Waits until every process answers ready; false as soon as one has exited.
+async fn all_up(procs: &mut [ServerProcess]) -> bool {
+    for _ in 0..400 {
+        if procs.iter_mut().any(|p| p.child.try_wait().ok().flatten().is_some()) {
+            return false;
+        }
+        let mut ready = true;
+        for p in procs.iter() {
+            ready &= p.status("/readyz").await == Some(200);
+        }
+        if ready {
+            return true;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    true
 }
 
 /// `n` agents, agent `i` talking to node `i % nodes.len()` (RPC timeout 1 s).

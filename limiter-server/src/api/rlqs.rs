@@ -36,8 +36,9 @@
 //!   than twice a TTL; `DENY_ALL` where nothing was granted. The same bucket is
 //!   re-sent once half its TTL has gone, to extend it (Envoy keeps its tokens);
 //!   Envoy tells a changed bucket by `max_tokens` and `tokens_per_fill` only, so a
-//!   change always changes one of those. A change costs a full new bucket: a rate within a tenth of
-//!   the one held is kept.
+//!   change always changes one of those. A change costs a full new bucket: a held
+//!   rate changes only where the difference pays for it soon
+//!   ([`CHANGE_PAYS_WITHIN`]), and a new bucket is bought from what the part earned.
 //! - **Failures.** When the owner cannot be reached, a bucket gets its route's failure
 //!   policy, as an agent does: fail-open, its emergency ceiling as a token bucket;
 //!   fail-closed, `DENY_ALL`. A bucket that cannot be mapped or named is denied, and

@@ -889,8 +889,10 @@ impl Session {
             let keep_need = b.keep_need(horizon);
             // Asked for: what keeping costs while what it holds is within a tenth of
             // what it should hold (its demand, within its part of the rate as last
-            // granted); else what a new bucket at that rate costs. Units asked for
-            // and not used are out of reach of the others until the next round.
+            // granted) or a change would not pay for its new bucket soon, or while
+            // its part has not earned a new bucket; else what a new bucket at that
+            // rate costs. Units asked for and not used are out of reach of the
+            // others until the next round.
             let fair = b.target().min(b.part);
             let keeps = b.sent.is_some_and(|s| {
                 s != Sent::Deny
@@ -961,9 +963,11 @@ impl Session {
             };
             let (sent, used) = match (b.sent, keep_need) {
                 // What it holds is paid for: kept unless it is over its part by more
-                // than a quarter (it must come down, to nothing if a smaller bucket is
-                // not affordable: its part is the others'), or a new bucket would
-                // buy more than a tenth more (a change costs a full new bucket).
+                // than a tenth where coming down pays for the new bucket soon (it
+                // must come down, to nothing if a smaller bucket is not affordable or
+                // not earned: its part is the others'), or a new bucket would buy
+                // more than a tenth more and pay for itself soon (a change costs a
+                // full new bucket).
                 (Some(held), Some(need))
                     if units >= need
                         && (held.rate() <= fair * COME_DOWN

@@ -25,7 +25,7 @@ use std::sync::atomic::{AtomicBool, AtomicU8};
 
 /// How long a pool that gave a block back to agents that wait holds its own asks
 /// (its requests wait that long for a permit, then ask as everyone else does).
-pub(super) const YIELD: std::time::Duration = std::time::Duration::from_millis(20);
+const YIELD: std::time::Duration = std::time::Duration::from_millis(20);
 
 /// The pool does not decide (the chain has no concurrency level, or the owner does
 /// not lease it).
@@ -438,14 +438,18 @@ impl Inner {
         // Gave a block back to agents that wait: they ask first.
         let yielded = pool.yielded_at.load(Ordering::Relaxed);
         let hold = nanos(YIELD);
-        if yielded > 0 && now.saturating_sub(yielded) < hold {
+        let now = if yielded > 0 && now.saturating_sub(yielded) < hold {
             let wait = hold - now.saturating_sub(yielded);
             tokio::time::sleep(std::time::Duration::from_nanos(wait)).await;
-        }
-        let now = self.clock.now();
-        if let Some(p) = slot.take_permit(now, cost) {
-            return Ok(Took::Permit(p, false));
-        }
+            // Meanwhile a permit may have come back here.
+            let now = self.clock.now();
+            if let Some(p) = slot.take_permit(now, cost) {
+                return Ok(Took::Permit(p, false));
+            }
+            now
+        } else {
+            now
+        };
         if !self.breaker.allow(now) {
             return Ok(Took::Answer(self.fallback(slot.key.route(), cost)));
         }

@@ -242,3 +242,40 @@ async fn an_owners_refusal_answers_the_keys_requests_locally_for_a_while() {
     assert!(!o.allowed, "{o:?}");
     assert!(a.stats().owner_calls > during.owner_calls);
 }
+
+/// A key refused near its limit is asked about again by the renewer as the refusal
+/// lapses, so its first request after the lapse spends what the owner granted meanwhile
+/// instead of waiting for an owner call (rounds a second apart here, and the refusal
+/// shorter: without the early ask, that request would find nothing and ask the owner
+/// itself).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refusal_is_asked_about_again_as_it_lapses_so_the_next_request_is_local() {
+    let policy = "version: 1\ntenants:\n  t:\n    limit: { algorithm: token_bucket, rate: 10/s, burst: 5 }\n";
+    let clock: Arc<dyn Clock> = Arc::new(MonotonicClock::new());
+    let owner = Owner::start(policy, clock.clone()).await;
+    let config = AgentConfig::new(owner.url(), "lapse")
+        .with_rpc_timeout(Duration::from_millis(500))
+        .with_renew_interval(Duration::from_secs(2))
+        .with_refusal_cap(Duration::from_secs(1));
+    let a = Agent::with_clock(config, clock.clone()).unwrap();
+    // Spend the bucket until the owner refuses: it says when a unit is back.
+    let mut refused = None;
+    for _ in 0..20 {
+        let o = a.decide(&req("t", "/r")).await.unwrap();
+        if !o.allowed {
+            refused = Some(o);
+            break;
+        }
+    }
+    let refused = refused.expect("the bucket ran out");
+    assert_eq!(refused.reason, Some(Reason::TenantLimit), "{refused:?}");
+    assert!(refused.retry_after <= 900_000_000, "{refused:?}");
+    // Past the lapse by a few owner calls' time, before the renewer's next round.
+    tokio::time::sleep(Duration::from_nanos(refused.retry_after) + Duration::from_millis(60)).await;
+    let before = a.stats();
+    let o = a.decide(&req("t", "/r")).await.unwrap();
+    let after = a.stats();
+    assert!(o.allowed, "{o:?}");
+    assert_eq!(o.source, Source::Local, "{o:?}");
+    assert_eq!(after.slow, before.slow, "no request asked the owner: {after:?}");
+}

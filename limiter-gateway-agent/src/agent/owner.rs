@@ -357,6 +357,12 @@ impl Inner {
         // Rationed (the owner cut its share, perhaps to nothing): asked again every
         // round while used.
         if st.denied.is_some() && st.cut && idle_at > now {
+            // A refusal that lapses before the next round: asked again just ahead of
+            // its lapse, so that the answer is here when it does (a request after it
+            // would otherwise wait for the owner).
+            if let Some(ask) = self.before_lapse(st, now) {
+                return When::at(ask.min(idle_at));
+            }
             return When::by((now + self.rationed_every()).min(idle_at));
         }
         if st.lease_id == 0 {
@@ -379,6 +385,22 @@ impl Inner {
         };
         let at = renew_at.min(idle_at).max(now + 1);
         if exact { When::at(at) } else { When::by(at) }
+    }
+
+    /// When a leased key's refusal by the owner is to be asked about again so that the
+    /// answer is back as it lapses: two owner round trips and a millisecond ahead, or
+    /// at the lapse when that is too late (an answer to an early ask that said to come
+    /// back a moment later), if before the key's next round. A refusal of a holder
+    /// past its share near the limit is asked about early with success (a share is
+    /// judged with some slack); one that names when a unit is refilled, at its lapse.
+    pub(super) fn before_lapse(&self, st: &LeaseState, now: Nanos) -> Option<Nanos> {
+        let r = st.denied.as_ref()?;
+        let ahead = 2 * self.rtt.load(Ordering::Relaxed) + 1_000_000;
+        let at = match r.until.saturating_sub(ahead) {
+            early if early > now => early,
+            _ => r.until,
+        };
+        (st.mode == Mode::Leased && at > now && at < now + self.rationed_every()).then_some(at)
     }
 
     /// How often, at the latest, a rationed key (its share cut near the limit) is

@@ -31,11 +31,20 @@ pub(super) async fn renew_loop(inner: Weak<Inner>, cancel: CancellationToken) {
         if let Some(due) = next_due {
             wait = wait.min(due.saturating_sub(now).max(1_000_000));
         }
-        tokio::select! {
+        // A key given an earlier time meanwhile (a refusal that lapses before the
+        // planned round, say) wakes the loop, which plans again.
+        let Some(sooner) = inner.upgrade().map(|i| i.schedule.plan(now + wait)) else { return };
+        let woken = tokio::select! {
             () = cancel.cancelled() => return,
-            () = tokio::time::sleep(Duration::from_nanos(wait)) => {}
-        }
+            () = tokio::time::sleep(Duration::from_nanos(wait)) => false,
+            () = sooner.notified() => true,
+        };
         let Some(inner) = inner.upgrade() else { return };
+        if woken {
+            next_due = inner.schedule.next(inner.clock.now(), interval / 2);
+            continue;
+        }
+        inner.schedule.plan(Nanos::MAX);
         next_due = renew_due(&inner).await;
     }
 }

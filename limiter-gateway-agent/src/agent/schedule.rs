@@ -12,7 +12,7 @@
 use std::cmp::Ordering as Order;
 use std::collections::BinaryHeap;
 use std::sync::Arc;
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use limiter_core::clock::Nanos;
 use parking_lot::Mutex;
@@ -82,6 +82,10 @@ impl Ord for Due {
 pub(super) struct Schedule {
     heap: Mutex<Heap>,
     wanted: Mutex<Vec<Arc<Slot>>>,
+    /// When the renewer's next round is planned (`Nanos::MAX` while a round runs):
+    /// a key due before it wakes the renewer.
+    planned: AtomicU64,
+    sooner: Arc<tokio::sync::Notify>,
 }
 
 /// The heap, and the size past which its stale entries are dropped.
@@ -107,6 +111,18 @@ impl Schedule {
             heap.entries.retain(|d| d.slot.due.load(Ordering::Relaxed) == d.packed);
             heap.compact_at = 2 * heap.entries.len() + SLACK;
         }
+        drop(heap);
+        if when.at < self.planned.load(Ordering::Relaxed) {
+            self.sooner.notify_one();
+        }
+    }
+
+    /// The renewer's next round is planned for `at` (`Nanos::MAX`: a round is running,
+    /// and what falls due meanwhile is looked at once it ends). Returns what wakes the
+    /// renewer when a key falls due before then.
+    pub(super) fn plan(&self, at: Nanos) -> Arc<tokio::sync::Notify> {
+        self.planned.store(at, Ordering::Relaxed);
+        self.sooner.clone()
     }
 
     /// `slot` ran low: renewed in the next round.

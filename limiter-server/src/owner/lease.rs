@@ -331,6 +331,9 @@ impl Owner {
         // A node's slice never goes direct (the root owner refuses instead) and is
         // not divided with others.
         let cid = self.leases().chain_id(item);
+        if let Some(b) = back {
+            self.leases().returned(cid, holder, b.units, now);
+        }
         let shares = match slice_of {
             Some(_) => Shares::default(),
             None => {
@@ -494,8 +497,8 @@ impl Owner {
     }
 
     /// Whether `holder` is held back near the limit because it is past its fair share
-    /// of `chain` (by ask), and for how long: a few milliseconds, until the others
-    /// have had theirs. On a tenant's own token buckets only (a unit kept back stays
+    /// of `chain` (by ask), and for how long: until the others have had theirs (at most
+    /// `HELD_BACK_MOST`). On a tenant's own token buckets only (a unit kept back stays
     /// in the bucket, where a window's would be lost at its end; root levels are
     /// shared with other nodes' slices, which the book does not weigh), on budgets
     /// large enough to lease, on the memory store (whose dry runs name the binding

@@ -58,7 +58,8 @@ struct Asked {
     /// Its reported demand, thousandths of a unit a second (0: not reported).
     demand: u64,
     seen: Nanos,
-    /// Units granted less those given back, decayed by half every `GRANTED_HALF_LIFE` since `at`.
+    /// Units granted less those given back, decayed by half every `GRANTED_HALF_LIFE`
+    /// since `at`.
     granted: f64,
     at: Nanos,
 }

@@ -17,11 +17,9 @@ pub(super) async fn renew_loop(inner: Weak<Inner>, cancel: CancellationToken) {
     let mut jitter: u64 = 0x9e37_79b9_7f4a_7c15;
     let mut next_due: Option<Nanos> = None;
     loop {
-        let Some((interval, now)) =
-            inner.upgrade().map(|i| (nanos(i.config.renew_interval), i.clock.now()))
-        else {
-            return;
-        };
+        // Held only while planning: the agent stops once its last clone is dropped.
+        let Some(strong) = inner.upgrade() else { return };
+        let (interval, now) = (nanos(strong.config.renew_interval), strong.clock.now());
         // xorshift: ±10% jitter without a random-number dependency.
         jitter ^= jitter << 13;
         jitter ^= jitter >> 7;
@@ -33,7 +31,8 @@ pub(super) async fn renew_loop(inner: Weak<Inner>, cancel: CancellationToken) {
         }
         // A key given an earlier time meanwhile (a refusal that lapses before the
         // planned round, say) wakes the loop, which plans again.
-        let Some(sooner) = inner.upgrade().map(|i| i.schedule.plan(now + wait)) else { return };
+        let sooner = strong.schedule.plan(now + wait);
+        drop(strong);
         let woken = tokio::select! {
             () = cancel.cancelled() => return,
             () = tokio::time::sleep(Duration::from_nanos(wait)) => false,

@@ -8,13 +8,23 @@ use std::time::Duration;
 
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
-/// A free loopback port (bound then released).
+/// A free loopback port (bound then released), never one this process was given
+/// before: the tests of one binary run at once, and two of them handed the same port
+/// would start servers that fight over it.
 ///
 /// # Panics
 ///
 /// When no port can be bound.
 pub fn free_addr() -> SocketAddr {
-    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap()
+    static GIVEN: parking_lot::Mutex<Vec<u16>> = parking_lot::Mutex::new(Vec::new());
+    let mut given = GIVEN.lock();
+    loop {
+        let addr = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap();
+        if !given.contains(&addr.port()) {
+            given.push(addr.port());
+            return addr;
+        }
+    }
 }
 
 /// A `limiter-server` process; killed when dropped.

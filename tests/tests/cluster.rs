@@ -27,16 +27,10 @@ async fn tenants_spread_evenly_move_minimally_and_are_forwarded_once() {
     let dir = tempfile::tempdir().unwrap();
     let policy = dir.path().join("policies.yaml");
     std::fs::write(&policy, POLICY).unwrap();
-    let nodes: Vec<Node> = ["a", "b", "c", "d"].iter().map(|id| Node::new(id)).collect();
+    let (nodes, started) = start_first(&policy, &["a", "b", "c", "d"], 3, &[]).await;
     let peers = Node::static_peers(&nodes);
-    let mut procs: Vec<Option<ServerProcess>> = Vec::new();
-    for n in &nodes[..3] {
-        procs.push(Some(n.spawn(&policy, &peers, &[])));
-    }
+    let mut procs: Vec<Option<ServerProcess>> = started.into_iter().map(Some).collect();
     procs.push(None);
-    for p in procs.iter().flatten() {
-        p.wait_ready().await;
-    }
     let mut a = client(nodes[0].grpc).await;
     wait_members(&mut a, 3).await;
 

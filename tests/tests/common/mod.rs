@@ -93,18 +93,33 @@ pub(crate) async fn wait_members(
     c: &mut RateLimiterClient<Channel>,
     n: usize,
 ) -> pb::TopologyResponse {
-    let mut last = None;
+    match members(c, n).await {
+        Ok(t) => t,
+        Err(e) => panic!("the ring did not reach {n} members: {e}"),
+    }
+}
+
+/// Waits up to 15 s until the node sees `n` members (and is ready); the last answer
+/// or error otherwise.
+async fn members(
+    c: &mut RateLimiterClient<Channel>,
+    n: usize,
+) -> Result<pb::TopologyResponse, String> {
+    let mut last = "no answer".to_owned();
     for _ in 0..300 {
-        if let Ok(t) = c.topology(pb::TopologyRequest::default()).await {
-            let t = t.into_inner();
-            if t.members.len() == n && t.ready {
-                return t;
+        match c.topology(pb::TopologyRequest::default()).await {
+            Ok(t) => {
+                let t = t.into_inner();
+                if t.members.len() == n && t.ready {
+                    return Ok(t);
+                }
+                last = format!("{t:?}");
             }
-            last = Some(t);
+            Err(e) => last = format!("{}: {}", e.code(), e.message()),
         }
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
-    panic!("the ring did not reach {n} members: {last:?}");
+    Err(last)
 }
 
 /// The owners of `tenants` as the node sees them.
@@ -137,21 +152,40 @@ pub(crate) async fn start_nodes(
 ) -> (std::path::PathBuf, Vec<Node>, Vec<ServerProcess>) {
     let file = dir.join("policies.yaml");
     std::fs::write(&file, policy).unwrap();
+    let (nodes, procs) = start_first(&file, ids, ids.len(), extra).await;
+    (file, nodes, procs)
+}
+
+/// Makes nodes `ids` with static membership over all of them (plus `extra`
+/// settings), starts the first `up` of them on `policy`, and waits until each started
+/// one is ready and sees the `up` members.
+pub(crate) async fn start_first(
+    policy: &Path,
+    ids: &[&str],
+    up: usize,
+    extra: &[(&str, &str)],
+) -> (Vec<Node>, Vec<ServerProcess>) {
     // A port chosen free may be taken by another test before the node binds it (the
-    // node then exits): the cluster starts again on new ports, three times at most.
-    for _ in 0..3 {
+    // node then exits, and its admin port may even answer for another test's node):
+    // the cluster starts again on new ports, three times at most.
+    'again: for _ in 0..3 {
         let nodes: Vec<Node> = ids.iter().map(|id| Node::new(id)).collect();
         let peers = Node::static_peers(&nodes);
         let mut procs: Vec<ServerProcess> =
-            nodes.iter().map(|n| n.spawn(&file, &peers, extra)).collect();
+            nodes[..up].iter().map(|n| n.spawn(policy, &peers, extra)).collect();
         if !all_up(&mut procs).await {
             continue;
         }
-        for (p, n) in procs.iter().zip(&nodes) {
-            p.wait_ready().await;
-            wait_members(&mut client(n.grpc).await, nodes.len()).await;
+        for (i, n) in nodes[..up].iter().enumerate() {
+            procs[i].wait_ready().await;
+            if let Err(e) = members(&mut client(n.grpc).await, up).await {
+                if procs.iter_mut().any(|p| p.child.try_wait().ok().flatten().is_some()) {
+                    continue 'again;
+                }
+                panic!("node {} did not see {up} members: {e}", n.id);
+            }
         }
-        return (file, nodes, procs);
+        return (nodes, procs);
     }
     panic!("a node exited while starting, three times");
 }

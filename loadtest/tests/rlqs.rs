@@ -3,7 +3,9 @@
 //!
 //! Ten Envoys share 30 buckets (one route each, token buckets of Zipf-skewed
 //! limits), each bucket offered twice its limit, split among the Envoys 1:2:...:10;
-//! half way through, the split is reversed (10:9:...:1). Judged per bucket by the
+//! half way through, the split is reversed (10:9:...:1). A second fleet moves half
+//! of its demand (five Envoys at three parts each and five at one, then the other
+//! way round). Judged per bucket by the
 //! independent reference (`limiter-reference`) at zero tolerance: every admission
 //! may be placed no earlier than when the assignment that admitted it was sent
 //! (paid, in the server's round, before it was sent) and no later than when it was
@@ -130,8 +132,27 @@ fn exactness(
 /// One decision: bucket, Envoy, when, admitted.
 type Arrival = (usize, usize, Nanos, bool);
 
+/// The fleet's demand split reversed half way: Envoy `e` offers `e + 1` parts, then
+/// `10 - e`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn ten_envoys_share_zipf_buckets_within_their_limits_by_demand() {
+    fleet(|e, swung| if swung { (ENVOYS - e) as f64 } else { (e + 1) as f64 }).await;
+}
+
+/// Half of the fleet's demand moves: the first five Envoys offer three parts each
+/// and the last five one, then the other way round.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_swing_of_half_the_demand_is_rebalanced_within_the_limits() {
+    fleet(|e, swung| if (e < ENVOYS / 2) != swung { 3.0 } else { 1.0 }).await;
+}
+
+/// One fleet at a time: two at once would share the machine's two cores.
+static ONE_FLEET_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
+/// Runs the fleet with Envoy `e` offered `weight(e, swung)` parts of each bucket's
+/// twice its limit, and judges it (see the module's documentation).
+async fn fleet(weight: fn(usize, bool) -> f64) {
+    let _one = ONE_FLEET_AT_A_TIME.lock().await;
     let limits = limits();
     let clock: Arc<dyn Clock> = Arc::new(MonotonicClock::new());
     let server = server(&policy(&limits), clock.clone()).await;
@@ -148,8 +169,7 @@ async fn ten_envoys_share_zipf_buckets_within_their_limits_by_demand() {
         })
         .collect();
     let ids: Vec<_> = (0..BUCKETS).map(|b| bucket_id(&[("route", &format!("/b{b}"))])).collect();
-    let weight = |e: usize, swung: bool| if swung { (ENVOYS - e) as f64 } else { (e + 1) as f64 };
-    let all: f64 = (1..=ENVOYS).map(|w| w as f64).sum();
+    let all = |swung: bool| (0..ENVOYS).map(|e| weight(e, swung)).sum::<f64>();
 
     // Open loop: every millisecond each (bucket, Envoy) stream offers what it owes.
     let mut owed = vec![0.0f64; BUCKETS * ENVOYS];
@@ -166,7 +186,7 @@ async fn ten_envoys_share_zipf_buckets_within_their_limits_by_demand() {
         for b in 0..BUCKETS {
             for e in 0..ENVOYS {
                 let o = &mut owed[b * ENVOYS + e];
-                *o += 2.0 * limits[b] as f64 * weight(e, swung) / all * dt;
+                *o += 2.0 * limits[b] as f64 * weight(e, swung) / all(swung) * dt;
                 while *o >= 1.0 {
                     *o -= 1.0;
                     let at = clock.now();

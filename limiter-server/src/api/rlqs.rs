@@ -108,6 +108,19 @@ const MAX_FILL_SECS: u32 = 60;
 const ACTIONS_PER_MESSAGE: usize = 1_000;
 /// How much of the latest round's demand the estimate takes (the rest is history).
 const DEMAND_WEIGHT: f64 = 0.25;
+/// How long after a round's keeps its buys and probes ask (at most half the
+/// delivery slack): see [`Session::round`].
+const BUYS_AFTER: Duration = Duration::from_millis(20);
+/// A paid bucket over its part by more than [`COME_DOWN`] is kept while within this
+/// factor of it where no smaller bucket can be bought: `DENY_ALL` for a round would
+/// lose more of the part than the excess costs the others.
+const HOLD_OVER: f64 = 1.5;
+/// Two measures in a row off the estimate the same way, each short of a swing, are
+/// a shift of demand where together (as one measure over both spans, against the
+/// estimate before them) they are this many standard deviations off, on the
+/// square-root scale: a swing of half the demand is then taken within two reports
+/// rather than smoothed over many.
+const SHIFT_EVIDENCE: f64 = 3.0;
 /// The longest reporting interval the TTLs and a drain's payment follow (30 s):
 /// TTLs are at most twice it, a drain pays at most this long of a bucket's rate.
 const MAX_REPORT_GAP: Nanos = 30 * NANOS_PER_SEC;
@@ -290,6 +303,73 @@ fn nanos_for(units: u64, rate: f64) -> Nanos {
     whole((units as f64 / rate * NANOS_PER_SEC as f64).floor())
 }
 
+/// What a new bucket of `cap` tokens at `rate` costs until `span` nanoseconds from
+/// now (saturating).
+fn buy_ask(cap: u64, rate: f64, span: Nanos) -> u64 {
+    cap.saturating_add(units_over(rate, span))
+}
+
+/// Whether a paid bucket `held` is kept against `changed`, what the grant buys
+/// instead, for a bucket that should hold `fair` (see [`KEEP_WITHIN`],
+/// [`COME_DOWN`], [`HOLD_OVER`]): it comes down where it is over its part by more
+/// than a tenth and coming down pays for the new bucket soon (to a smaller bucket,
+/// or to nothing past [`HOLD_OVER`]: its part is the others'), and changes where a
+/// new bucket would buy more than a tenth more and pay for itself soon (a change
+/// costs a full new bucket).
+fn keeps(held: Sent, changed: Sent, fair: f64, burst: f64) -> bool {
+    let over = held.rate() > fair * COME_DOWN && worth_changing(held.rate(), fair, burst);
+    let comes_down = over && (changed != Sent::Deny || held.rate() > fair * HOLD_OVER);
+    let better = changed.rate() > held.rate() * KEEP_WITHIN
+        && worth_changing(held.rate(), changed.rate(), burst);
+    !comes_down && !better
+}
+
+/// A round's instants and sizes.
+#[derive(Debug, Clone, Copy)]
+struct Moment {
+    now: Nanos,
+    /// Until when the round pays (the next round and its delivery).
+    horizon: Nanos,
+    ttl: Duration,
+    /// `max_tokens` of a bucket: its rate over this many seconds.
+    burst: f64,
+    /// The span a keep's ask pays for (to the horizon and a burst), and in seconds.
+    period_nanos: Nanos,
+    period: f64,
+}
+
+/// A bucket's item in a round's call, and what keeping what it holds costs.
+struct Planned {
+    name: String,
+    keep_need: Option<u64>,
+    item: pb::LeaseItem,
+}
+
+/// What a round (or a drain) sent and paid, for the metrics.
+#[derive(Debug, Default)]
+struct Tally {
+    assigned: usize,
+    extended: usize,
+    deny: usize,
+    fallback: usize,
+    paid: u64,
+}
+
+impl Tally {
+    fn record(&self) {
+        metrics::counter!(PAID).increment(self.paid);
+        counted("assign", self.assigned);
+        counted("extend", self.extended);
+        counted("deny", self.deny);
+        counted("fallback", self.fallback);
+    }
+}
+
+/// A count of Poisson arrivals on Anscombe's scale, where its spread is about 1.
+fn scaled(count: f64) -> f64 {
+    2.0 * (count + 0.375).sqrt()
+}
+
 /// Units to pay for `rate` over `span` nanoseconds, rounded up.
 fn units_over(rate: f64, span: Nanos) -> u64 {
     whole((rate * span as f64 / NANOS_PER_SEC as f64).ceil())
@@ -333,6 +413,12 @@ struct Bucket {
     credit: f64,
     /// When `credit` was last earned up to.
     credited_at: Nanos,
+    /// Its demand swung (or shifted) since the last grant: the part that grant
+    /// said divided the old demands.
+    swung: bool,
+    /// The last measure if it was neither a swing nor a shift: its requests, its
+    /// seconds and the estimate before it.
+    last: (u64, f64, f64),
 }
 
 impl Bucket {
@@ -347,18 +433,35 @@ impl Bucket {
         }
         let latest = self.counted as f64 / secs;
         // A swing (a count more than three standard deviations of Poisson arrivals
-        // off the estimate, on the square-root scale where their spread is the same
-        // whatever the mean: a fall from 11 expected to 1 is one, which the normal
-        // bound, 3 * sqrt(11), misses) is taken at once; the noise of a few requests
-        // a round is smoothed, so that it does not change the bucket (each change
-        // costs a full new bucket).
+        // off the estimate, on Anscombe's square-root scale, `2 sqrt(x + 3/8)`, where
+        // their spread is about 1 whatever the mean: a fall from 11 expected to 1 is
+        // one, which the normal bound, 3 * sqrt(11), misses; no request where 2 were
+        // expected is not, which the plain square root, blind to small counts, took
+        // for one) is taken at once; the noise of a few requests a round is
+        // smoothed, so that it does not change the bucket (each change costs a full
+        // new bucket).
         let expected = self.demand * secs;
-        let swing = 2.0 * ((self.counted as f64).sqrt() - expected.sqrt()).abs() > 3.0;
+        let off = scaled(self.counted as f64) - scaled(expected);
+        let swing = off.abs() > 3.0;
+        // The measure before, if it was neither: both together against the estimate
+        // before them, where both were off the same way.
+        let (was_counted, was_secs, was_demand) = self.last;
+        let both = was_counted.saturating_add(self.counted) as f64;
+        let shift = !swing
+            && was_secs > 0.0
+            && (was_counted as f64 - was_demand * was_secs) * off > 0.0
+            && (scaled(both) - scaled(was_demand * (was_secs + secs))).abs() > SHIFT_EVIDENCE;
+        let before = self.demand;
         self.demand = if (self.sent.is_none() && self.demand == 0.0) || swing {
             latest
+        } else if shift {
+            // Both measures, over both spans.
+            both / (was_secs + secs)
         } else {
             DEMAND_WEIGHT * latest + (1.0 - DEMAND_WEIGHT) * self.demand
         };
+        self.swung |= swing || shift;
+        self.last = if swing || shift { (0, 0.0, 0.0) } else { (self.counted, secs, before) };
         self.counted = 0;
         self.since = upto;
     }
@@ -376,14 +479,34 @@ impl Bucket {
         self.credited_at = now;
     }
 
-    /// Whether it may buy `s` as a new bucket: its first assignment, or what its
-    /// part earned covers the bucket's `max_tokens`.
+    /// Whether it may buy `s` as a new bucket (see [`Self::may_buy_capacity`]).
     fn may_buy(&self, s: Sent) -> bool {
         match s {
             Sent::Tokens { max_tokens, .. } => {
-                self.sent.is_none() || self.credit >= f64::from(max_tokens)
+                self.may_buy_capacity(u64::from(max_tokens), s.rate())
             }
             Sent::Deny => true,
+        }
+    }
+
+    /// Whether it may buy a new bucket of `cap` tokens at `rate`: its first
+    /// assignment, one no larger and no faster than the bucket it holds (coming down
+    /// leaves units to the others), one in place of `DENY_ALL` once its credit is not
+    /// negative, or one whose `max_tokens` what its part earned covers.
+    fn may_buy_capacity(&self, cap: u64, rate: f64) -> bool {
+        match self.sent {
+            None => true,
+            Some(held @ Sent::Tokens { max_tokens, .. })
+                if cap <= u64::from(max_tokens) && rate <= held.rate() =>
+            {
+                true
+            }
+            // Denied, it admits nothing while it earns: it may leave once it owes
+            // nothing (a slow part saving up a whole bucket would be denied for
+            // seconds: the smallest Envoy of the fleet test lost a quarter of its
+            // share so).
+            Some(Sent::Deny) => self.credit >= 0.0,
+            _ => self.credit >= cap as f64,
         }
     }
 
@@ -413,14 +536,90 @@ impl Bucket {
             unspent: self.lease.1,
             want,
             cost: 0,
-            demand_per_sec: units_over(self.demand, NANOS_PER_SEC),
-            demand_milli: units_over(self.demand * 1_000.0, NANOS_PER_SEC),
+            // Never 0, which the owner reads as "not reported": one holder that
+            // reported none would make the owner divide by asks for every holder.
+            demand_per_sec: units_over(self.demand, NANOS_PER_SEC).max(1),
+            demand_milli: units_over(self.demand * 1_000.0, NANOS_PER_SEC).max(1),
             // The time its ask pays for: the owner caps it at its part of the chain's
             // rate over it.
             renews_within: Some(crate::convert::duration(period)),
             rates: true,
             ..Default::default()
         }
+    }
+
+    /// Settles this round's grant for it (`None`: the owner could not be reached),
+    /// where keeping what it holds costs `keep_need`: what it holds next, and the
+    /// action to send, if any.
+    fn settle(
+        &mut self,
+        grant: Option<pb::LeaseGrant>,
+        keep_need: Option<u64>,
+        m: &Moment,
+        tally: &mut Tally,
+    ) -> Option<BucketAction> {
+        let Some(g) = grant else {
+            // The owner could not be reached: the route's failure policy, for as
+            // long as an assignment lives.
+            self.lease = (0, 0);
+            let sent = self.failure_policy();
+            tally.fallback += 1;
+            self.sent = Some(sent);
+            self.sent_at = m.now;
+            return Some(assignment(self.id.clone(), sent, m.ttl));
+        };
+        if g.on_failure.is_some() {
+            self.on_failure = g.on_failure;
+        }
+        let units = g.units;
+        // Its part of the chain's rate (the owner's, by demand, unrounded); what it
+        // should hold is that or its demand, the lower.
+        self.part = match (g.rate_part_milli, g.rate_part) {
+            (0, 0) => f64::INFINITY,
+            (0, units) => units as f64 / m.period,
+            (milli, _) => milli as f64 / 1_000.0,
+        };
+        self.swung = false;
+        let fair = self.target().min(self.part);
+        let (changed, used) = match self.choose(units, m.now, m.horizon, m.burst, fair) {
+            (s, _) if self.sent != Some(s) && !self.may_buy(s) => (Sent::Deny, 0),
+            c => c,
+        };
+        let (sent, used) = match (self.sent, keep_need) {
+            (Some(held), Some(need)) if units >= need && keeps(held, changed, fair, m.burst) => {
+                (held, need)
+            }
+            _ => (changed, used),
+        };
+        tally.paid += used;
+        self.credit -= used as f64;
+        self.lease = (g.lease_id, units - used);
+        // Paid until when: whole units buy a little past the horizon, which the next
+        // round need not pay again (a slow rate would otherwise pay a unit every
+        // round).
+        self.paid_until = match sent {
+            Sent::Deny => {
+                tally.deny += 1;
+                m.now
+            }
+            _ if self.sent == Some(sent) => {
+                tally.extended += 1;
+                self.paid_until.saturating_add(nanos_for(used, sent.rate()))
+            }
+            Sent::Tokens { max_tokens, .. } => {
+                tally.assigned += 1;
+                m.now.saturating_add(nanos_for(used - u64::from(max_tokens), sent.rate()))
+            }
+        };
+        // Re-sent unchanged only when half its TTL has gone: that extends it.
+        let action = (self.sent != Some(sent)
+            || m.now.saturating_sub(self.sent_at) >= nanos(m.ttl) / 2)
+            .then(|| {
+                self.sent_at = m.now;
+                assignment(self.id.clone(), sent, m.ttl)
+            });
+        self.sent = Some(sent);
+        action
     }
 
     /// The route's failure policy as an assignment: fail-open, the emergency
@@ -645,12 +844,12 @@ impl Session {
         let grants = self.pay(items).await;
         let mut actions = Vec::new();
         let mut left = Vec::new();
-        let (mut assigned, mut extended, mut deny, mut fallback, mut paid) = (0, 0, 0, 0, 0);
+        let mut tally = Tally::default();
         for ((name, need), grant) in plan.into_iter().zip(grants) {
             let Some(b) = self.buckets.get_mut(&name) else { continue };
             let sent = match (grant, b.sent) {
                 (Some(g), Some(held)) if g.units >= need => {
-                    paid += need;
+                    tally.paid += need;
                     b.lease = (g.lease_id, g.units - need);
                     if b.lease.1 > 0 {
                         left.push(b.item(0, period));
@@ -660,7 +859,7 @@ impl Session {
                     if b.sent_at.saturating_add(nanos(ttl)) >= horizon {
                         continue;
                     }
-                    extended += 1;
+                    tally.extended += 1;
                     held
                 }
                 (Some(g), _) => {
@@ -668,20 +867,20 @@ impl Session {
                     // granted pays for until the horizon, else nothing.
                     let fair = b.target().min(b.part);
                     let (sent, used) = b.choose(g.units, now, horizon, burst, fair);
-                    paid += used;
+                    tally.paid += used;
                     b.lease = (g.lease_id, g.units - used);
                     if b.lease.1 > 0 {
                         left.push(b.item(0, period));
                     }
                     if sent == Sent::Deny {
-                        deny += 1;
+                        tally.deny += 1;
                     } else {
-                        assigned += 1;
+                        tally.assigned += 1;
                     }
                     sent
                 }
                 (None, _) => {
-                    fallback += 1;
+                    tally.fallback += 1;
                     b.failure_policy()
                 }
             };
@@ -689,11 +888,7 @@ impl Session {
         }
         // What the grants left goes back now: there is no next round to take it.
         self.pay(left).await;
-        metrics::counter!(PAID).increment(paid);
-        counted("assign", assigned);
-        counted("extend", extended);
-        counted("deny", deny);
-        counted("fallback", fallback);
+        tally.record();
         self.send(actions).await;
         self.forget_all();
     }
@@ -848,6 +1043,8 @@ impl Session {
             part: f64::INFINITY,
             credit: 0.0,
             credited_at: now,
+            swung: false,
+            last: (0, 0.0, 0.0),
         })
     }
 
@@ -860,24 +1057,61 @@ impl Session {
             .max(Duration::from_secs(twice.as_secs() + u64::from(twice.subsec_nanos() > 0)))
     }
 
+    /// The instants and sizes of a round starting at `now`.
+    fn moment(&self, now: Nanos) -> Moment {
+        let horizon = now.saturating_add(nanos(self.config.round) + nanos(self.config.slack));
+        let period_nanos = horizon.saturating_sub(now) + nanos(self.config.burst);
+        Moment {
+            now,
+            horizon,
+            ttl: self.ttl(),
+            burst: self.config.burst.as_secs_f64(),
+            period_nanos,
+            period: period_nanos as f64 / NANOS_PER_SEC as f64,
+        }
+    }
+
     /// One round: pays for what every bucket's assignment lets its Envoy admit until
     /// the next round (and its delivery), and sends them (`fresh_only`: the buckets
-    /// not yet assigned, right after they subscribed).
+    /// not yet assigned, right after they subscribed). Keeps are paid first; buys
+    /// and probes ask [`BUYS_AFTER`] later, from what every stream's keeps left:
+    /// rounds of all streams fall on the same instants, and a new bucket asked for
+    /// in the same instant as the others' keeps would take units they hold.
     async fn round(&mut self, fresh_only: bool) {
-        let now = self.owner.clock().now();
-        let ttl = self.ttl();
-        let horizon = now.saturating_add(nanos(self.config.round) + nanos(self.config.slack));
-        let burst = self.config.burst.as_secs_f64();
-        let period_nanos = horizon.saturating_sub(now) + nanos(self.config.burst);
-        let period = period_nanos as f64 / NANOS_PER_SEC as f64;
+        let m = self.moment(self.owner.clock().now());
         let mut actions = Vec::new();
         if !fresh_only {
-            self.abandon_idle(now, &mut actions);
+            self.abandon_idle(m.now, &mut actions);
         }
-        // What each bucket asks for: enough to keep what it holds, and enough for the
-        // rate it wants as a new bucket; the grant decides which it gets.
-        let mut plan: Vec<(String, Option<u64>)> = Vec::new();
-        let mut items = Vec::new();
+        let (keeps, buys) = self.plan(fresh_only, &m, &mut actions);
+        let mut tally = Tally::default();
+        let kept_any = !keeps.is_empty();
+        if kept_any {
+            self.pay_and_settle(keeps, m, &mut tally, &mut actions).await;
+        }
+        if !buys.is_empty() {
+            if kept_any && !fresh_only {
+                self.send(std::mem::take(&mut actions)).await;
+                tokio::time::sleep(BUYS_AFTER.min(self.config.slack / 2)).await;
+            }
+            let later = Moment { now: self.owner.clock().now().max(m.now), ..m };
+            self.pay_and_settle(buys, later, &mut tally, &mut actions).await;
+        }
+        tally.record();
+        self.send(actions).await;
+    }
+
+    /// What each bucket asks for this round: enough to keep what it holds (the
+    /// first list, paid first), or enough for the rate it wants as a new bucket or a
+    /// unit to learn its part (the second); re-sends of buckets paid beyond the
+    /// horizon go to `actions`.
+    fn plan(
+        &mut self,
+        fresh_only: bool,
+        m: &Moment,
+        actions: &mut Vec<BucketAction>,
+    ) -> (Vec<Planned>, Vec<Planned>) {
+        let (mut keeps, mut buys) = (Vec::new(), Vec::new());
         for (name, b) in &mut self.buckets {
             if fresh_only && b.sent.is_some() {
                 continue;
@@ -885,133 +1119,72 @@ impl Session {
             if !fresh_only {
                 b.measure();
             }
-            b.earn(now, burst);
-            let keep_need = b.keep_need(horizon);
+            b.earn(m.now, m.burst);
+            let keep_need = b.keep_need(m.horizon);
             // Asked for: what keeping costs while what it holds is within a tenth of
             // what it should hold (its demand, within its part of the rate as last
             // granted) or a change would not pay for its new bucket soon, or while
             // its part has not earned a new bucket; else what a new bucket at that
             // rate costs. Units asked for and not used are out of reach of the
-            // others until the next round.
-            let fair = b.target().min(b.part);
-            let keeps = b.sent.is_some_and(|s| {
+            // others until the next round. After a swing of demand the part last
+            // granted is stale (the owner divided the old demands): the ask follows
+            // the demand, and the owner's grant says the new part.
+            let fair = if b.swung { b.target() } else { b.target().min(b.part) };
+            let keeps_it = b.sent.is_some_and(|s| {
                 s != Sent::Deny
                     && ((s.rate() <= fair * KEEP_WITHIN && s.rate() * KEEP_WITHIN >= fair)
-                        || !worth_changing(s.rate(), fair, burst))
+                        || !worth_changing(s.rate(), fair, m.burst))
             });
-            // A new bucket pays its `max_tokens` at once: its ask covers its part's
-            // rate for as long as those tokens last at it (at least the burst), so
-            // that a slow part (whose least capacity is many times its rate over the
-            // burst) can buy a bucket at its part, as a fast one can.
-            let buys = b.sent.is_none() || b.credit >= capacity(fair, burst) as f64;
+            let cap = capacity(fair, m.burst);
+            let buys_it = b.may_buy_capacity(cap, fair);
             let (want, paid_for) = match keep_need {
-                Some(need) if keeps || !buys => (need, period_nanos),
-                None if !buys => (1, period_nanos),
+                Some(need) if keeps_it || !buys_it => (need, m.period_nanos),
+                None if !buys_it => (1, m.period_nanos),
                 _ => {
-                    let cap = capacity(fair, burst);
+                    let span = m.horizon.saturating_sub(m.now);
                     let lasts = nanos_for(cap, fair)
                         .clamp(nanos(self.config.burst), u64::from(MAX_FILL_SECS) * NANOS_PER_SEC);
-                    (
-                        cap + units_over(fair, horizon.saturating_sub(now)),
-                        horizon.saturating_sub(now).saturating_add(lasts),
-                    )
+                    (buy_ask(cap, fair, span), span.saturating_add(lasts))
                 }
             };
-            if keeps && want == 0 && b.lease.1 == 0 {
+            if keeps_it && want == 0 && b.lease.1 == 0 {
                 // A slow bucket paid beyond the horizon, nothing to give back: no
                 // call; its assignment is re-sent when due.
-                if now.saturating_sub(b.sent_at) >= nanos(ttl) / 2 {
-                    b.sent_at = now;
-                    actions.push(assignment(b.id.clone(), b.sent.unwrap_or(Sent::Deny), ttl));
+                if m.now.saturating_sub(b.sent_at) >= nanos(m.ttl) / 2 {
+                    b.sent_at = m.now;
+                    actions.push(assignment(b.id.clone(), b.sent.unwrap_or(Sent::Deny), m.ttl));
                 }
                 continue;
             }
-            plan.push((name.clone(), keep_need));
-            items.push(b.item(want.max(1), paid_for));
+            let item = b.item(want.max(1), paid_for);
+            let planned = Planned { name: name.clone(), keep_need, item };
+            if keep_need.is_some() && (keeps_it || !buys_it) {
+                keeps.push(planned);
+            } else {
+                buys.push(planned);
+            }
         }
+        (keeps, buys)
+    }
+
+    /// Pays for `planned` in one call per owner batch and settles each grant: the
+    /// assignment it buys (or keeps) from `m.now` until `m.horizon`.
+    async fn pay_and_settle(
+        &mut self,
+        planned: Vec<Planned>,
+        m: Moment,
+        tally: &mut Tally,
+        actions: &mut Vec<BucketAction>,
+    ) {
+        let (names, items): (Vec<_>, Vec<_>) =
+            planned.into_iter().map(|p| ((p.name, p.keep_need), p.item)).unzip();
         let grants = self.pay(items).await;
-        let (mut assigned, mut extended, mut deny, mut fallback) = (0, 0, 0, 0);
-        let mut paid = 0u64;
-        for ((name, keep_need), grant) in plan.into_iter().zip(grants) {
+        for ((name, keep_need), grant) in names.into_iter().zip(grants) {
             let Some(b) = self.buckets.get_mut(&name) else { continue };
-            let Some(g) = grant else {
-                // The owner could not be reached: the route's failure policy, for as
-                // long as an assignment lives.
-                b.lease = (0, 0);
-                let sent = b.failure_policy();
-                fallback += 1;
-                b.sent = Some(sent);
-                b.sent_at = now;
-                actions.push(assignment(b.id.clone(), sent, ttl));
-                continue;
-            };
-            if g.on_failure.is_some() {
-                b.on_failure = g.on_failure;
+            if let Some(action) = b.settle(grant, keep_need, &m, tally) {
+                actions.push(action);
             }
-            let units = g.units;
-            // Its part of the chain's rate (the owner's, by demand, unrounded); what
-            // it should hold is that or its demand, the lower.
-            b.part = match (g.rate_part_milli, g.rate_part) {
-                (0, 0) => f64::INFINITY,
-                (0, units) => units as f64 / period,
-                (milli, _) => milli as f64 / 1_000.0,
-            };
-            let fair = b.target().min(b.part);
-            let (changed, used) = match b.choose(units, now, horizon, burst, fair) {
-                (s, _) if b.sent != Some(s) && !b.may_buy(s) => (Sent::Deny, 0),
-                c => c,
-            };
-            let (sent, used) = match (b.sent, keep_need) {
-                // What it holds is paid for: kept unless it is over its part by more
-                // than a tenth where coming down pays for the new bucket soon (it
-                // must come down, to nothing if a smaller bucket is not affordable or
-                // not earned: its part is the others'), or a new bucket would buy
-                // more than a tenth more and pay for itself soon (a change costs a
-                // full new bucket).
-                (Some(held), Some(need))
-                    if units >= need
-                        && (held.rate() <= fair * COME_DOWN
-                            || !worth_changing(held.rate(), fair, burst))
-                        && (changed.rate() <= held.rate() * KEEP_WITHIN
-                            || !worth_changing(held.rate(), changed.rate(), burst)) =>
-                {
-                    (held, need)
-                }
-                _ => (changed, used),
-            };
-            paid += used;
-            b.credit -= used as f64;
-            b.lease = (g.lease_id, units - used);
-            // Paid until when: whole units buy a little past the horizon, which the
-            // next round need not pay again (a slow rate would otherwise pay a unit
-            // every round).
-            b.paid_until = match sent {
-                Sent::Deny => {
-                    deny += 1;
-                    now
-                }
-                _ if b.sent == Some(sent) => {
-                    extended += 1;
-                    b.paid_until.saturating_add(nanos_for(used, sent.rate()))
-                }
-                Sent::Tokens { max_tokens, .. } => {
-                    assigned += 1;
-                    now.saturating_add(nanos_for(used - u64::from(max_tokens), sent.rate()))
-                }
-            };
-            // Re-sent unchanged only when half its TTL has gone: that extends it.
-            if b.sent != Some(sent) || now.saturating_sub(b.sent_at) >= nanos(ttl) / 2 {
-                b.sent_at = now;
-                actions.push(assignment(b.id.clone(), sent, ttl));
-            }
-            b.sent = Some(sent);
         }
-        metrics::counter!(PAID).increment(paid);
-        counted("assign", assigned);
-        counted("extend", extended);
-        counted("deny", deny);
-        counted("fallback", fallback);
-        self.send(actions).await;
     }
 
     /// Abandons the buckets with no requests for `rlqs.idle_ms`.
@@ -1122,6 +1295,8 @@ mod tests {
             part: f64::INFINITY,
             credit: 0.0,
             credited_at: 0,
+            swung: false,
+            last: (0, 0.0, 0.0),
         }
     }
 
@@ -1140,6 +1315,9 @@ mod tests {
         assert!((measured(22.0, 1) - 2.0).abs() < 1e-9);
         // And a rise from 2 a second to 20.
         assert!((measured(2.0, 10) - 20.0).abs() < 1e-9);
+        // No request where 2 were expected: noise (a slow bucket's estimate does
+        // not collapse to nothing, and its part with it).
+        assert!((measured(4.0, 0) - 3.0).abs() < 1e-9);
         // 9 of 11 expected, 120 of 100: noise, a quarter of the way.
         assert!((measured(22.0, 9) - (0.25 * 18.0 + 0.75 * 22.0)).abs() < 1e-9);
         assert!((measured(200.0, 120) - (0.25 * 240.0 + 0.75 * 200.0)).abs() < 1e-9);
@@ -1159,7 +1337,9 @@ mod tests {
 
     #[test]
     fn a_new_bucket_is_bought_from_what_the_part_earned() {
+        // Holds a quarter of a unit a second; buys half.
         let mut b = bucket(2.0);
+        b.sent = Some(Sent::Tokens { max_tokens: 2, tokens: 1, fill_secs: 4 });
         b.part = 0.5;
         let new = Sent::Tokens { max_tokens: 2, tokens: 1, fill_secs: 2 };
         assert!(!b.may_buy(new), "nothing earned yet");
@@ -1176,5 +1356,90 @@ mod tests {
         b.credit = -5.0;
         assert!(b.may_buy(new));
         assert!(b.may_buy(Sent::Deny));
+        // Denied, it leaves once it owes nothing.
+        b.sent = Some(Sent::Deny);
+        b.credit = -0.1;
+        assert!(!b.may_buy(new));
+        b.credit = 0.0;
+        assert!(b.may_buy(new));
+    }
+
+    #[test]
+    fn a_demand_is_never_reported_as_none() {
+        // The owner reads 0 as "not reported" and then divides by asks for every
+        // holder of the chain.
+        let item = bucket(0.0).item(1, NANOS_PER_SEC);
+        assert_eq!((item.demand_per_sec, item.demand_milli), (1, 1));
+        let item = bucket(0.0004).item(1, NANOS_PER_SEC);
+        assert_eq!((item.demand_per_sec, item.demand_milli), (1, 1));
+        assert_eq!(bucket(2.5).item(1, NANOS_PER_SEC).demand_milli, 2_500);
+    }
+
+    #[test]
+    fn a_steady_shift_is_taken_within_two_reports() {
+        // 60 a second, then 45 in each of two half seconds (30 expected): each short
+        // of a swing, both together one.
+        let mut b = bucket(60.0);
+        b.counted = 45;
+        b.reported = NANOS_PER_SEC / 2;
+        b.measure();
+        assert!((b.demand - (0.25 * 90.0 + 0.75 * 60.0)).abs() < 1e-9, "{}", b.demand);
+        assert!(!b.swung);
+        b.counted = 45;
+        b.reported = NANOS_PER_SEC;
+        b.measure();
+        assert!((b.demand - 90.0).abs() < 1e-9, "{}", b.demand);
+        assert!(b.swung, "the part last granted is stale");
+        // Off both ways in turn: noise, smoothed.
+        let mut b = bucket(60.0);
+        for (i, n) in [38, 24].into_iter().enumerate() {
+            b.counted = n;
+            b.reported = (i as u64 + 1) * NANOS_PER_SEC / 2;
+            b.measure();
+        }
+        assert!(!b.swung && (b.demand - 60.0).abs() < 8.0, "{}", b.demand);
+    }
+
+    #[test]
+    fn counts_an_envoy_chooses_cannot_overflow_the_estimate() {
+        let mut b = bucket(5.0);
+        for i in 1..4 {
+            b.counted = u64::MAX;
+            b.reported = i * NANOS_PER_SEC / 2;
+            b.measure();
+            assert!(b.demand.is_finite(), "{}", b.demand);
+            let item = b.item(u64::MAX, NANOS_PER_SEC);
+            assert_eq!(item.demand_milli, u64::MAX);
+        }
+    }
+
+    #[test]
+    fn coming_down_to_a_bucket_no_larger_needs_no_credit() {
+        // Holds 10 a second in 2 tokens; nothing earned.
+        let b = bucket(5.0);
+        assert!(b.may_buy(Sent::Tokens { max_tokens: 2, tokens: 5, fill_secs: 1 }));
+        assert!(!b.may_buy(Sent::Tokens { max_tokens: 3, tokens: 5, fill_secs: 1 }));
+        assert!(!b.may_buy(Sent::Tokens { max_tokens: 2, tokens: 12, fill_secs: 1 }));
+    }
+
+    #[test]
+    fn a_paid_bucket_over_its_part_is_held_to_half_again_where_nothing_smaller_is_bought() {
+        let held = Sent::Tokens { max_tokens: 2, tokens: 10, fill_secs: 1 };
+        let smaller = Sent::Tokens { max_tokens: 2, tokens: 7, fill_secs: 1 };
+        // Its part 8 a second: over by a quarter.
+        assert!(keeps(held, Sent::Deny, 8.0, 0.1), "nothing smaller: held");
+        assert!(!keeps(held, smaller, 8.0, 0.1), "a smaller bucket was bought");
+        // Its part 6 a second: over by two thirds, down to nothing.
+        assert!(!keeps(held, Sent::Deny, 6.0, 0.1));
+        // Within a tenth either way: held.
+        assert!(keeps(held, Sent::Tokens { max_tokens: 2, tokens: 11, fill_secs: 1 }, 10.0, 0.1));
+    }
+
+    #[test]
+    fn a_new_buckets_ask_follows_its_rate_and_saturates() {
+        assert_eq!(buy_ask(2, 1.0, 600_000_000), 3);
+        assert_eq!(buy_ask(10, 100.0, 600_000_000), 70);
+        assert_eq!(buy_ask(u64::MAX, 1e300, u64::MAX), u64::MAX);
+        assert_eq!(buy_ask(5, f64::INFINITY, NANOS_PER_SEC), u64::MAX);
     }
 }

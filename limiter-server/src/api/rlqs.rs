@@ -111,10 +111,6 @@ const DEMAND_WEIGHT: f64 = 0.25;
 /// How long after a round's keeps its buys and probes ask (at most half the
 /// delivery slack): see [`Session::round`].
 const BUYS_AFTER: Duration = Duration::from_millis(20);
-/// A paid bucket over its part by more than [`COME_DOWN`] is kept while within this
-/// factor of it where no smaller bucket can be bought: `DENY_ALL` for a round would
-/// lose more of the part than the excess costs the others.
-const HOLD_OVER: f64 = 1.5;
 /// Two measures in a row off the estimate the same way, each short of a swing, are
 /// a shift of demand where together (as one measure over both spans, against the
 /// estimate before them) they are this many standard deviations off, on the
@@ -311,14 +307,13 @@ fn buy_ask(cap: u64, rate: f64, span: Nanos) -> u64 {
 
 /// Whether a paid bucket `held` is kept against `changed`, what the grant buys
 /// instead, for a bucket that should hold `fair` (see [`KEEP_WITHIN`],
-/// [`COME_DOWN`], [`HOLD_OVER`]): it comes down where it is over its part by more
-/// than a tenth and coming down pays for the new bucket soon (to a smaller bucket,
-/// or to nothing past [`HOLD_OVER`]: its part is the others'), and changes where a
-/// new bucket would buy more than a tenth more and pay for itself soon (a change
-/// costs a full new bucket).
+/// [`COME_DOWN`]): it comes down where it is over its part by more than a tenth and
+/// coming down pays for the new bucket soon (to a smaller bucket, or to nothing
+/// where none is bought: its part is the others'), and changes where a new bucket
+/// would buy more than a tenth more and pay for itself soon (a change costs a full
+/// new bucket).
 fn keeps(held: Sent, changed: Sent, fair: f64, burst: f64) -> bool {
-    let over = held.rate() > fair * COME_DOWN && worth_changing(held.rate(), fair, burst);
-    let comes_down = over && (changed != Sent::Deny || held.rate() > fair * HOLD_OVER);
+    let comes_down = held.rate() > fair * COME_DOWN && worth_changing(held.rate(), fair, burst);
     let better = changed.rate() > held.rate() * KEEP_WITHIN
         && worth_changing(held.rate(), changed.rate(), burst);
     !comes_down && !better
@@ -1423,16 +1418,18 @@ mod tests {
     }
 
     #[test]
-    fn a_paid_bucket_over_its_part_is_held_to_half_again_where_nothing_smaller_is_bought() {
+    fn a_paid_bucket_comes_down_to_its_part_and_goes_up_where_it_pays() {
         let held = Sent::Tokens { max_tokens: 2, tokens: 10, fill_secs: 1 };
         let smaller = Sent::Tokens { max_tokens: 2, tokens: 7, fill_secs: 1 };
-        // Its part 8 a second: over by a quarter.
-        assert!(keeps(held, Sent::Deny, 8.0, 0.1), "nothing smaller: held");
-        assert!(!keeps(held, smaller, 8.0, 0.1), "a smaller bucket was bought");
-        // Its part 6 a second: over by two thirds, down to nothing.
-        assert!(!keeps(held, Sent::Deny, 6.0, 0.1));
+        // Its part 8 a second: over by a quarter, down (to nothing if nothing
+        // smaller was bought).
+        assert!(!keeps(held, smaller, 8.0, 0.1));
+        assert!(!keeps(held, Sent::Deny, 8.0, 0.1));
         // Within a tenth either way: held.
         assert!(keeps(held, Sent::Tokens { max_tokens: 2, tokens: 11, fill_secs: 1 }, 10.0, 0.1));
+        assert!(keeps(held, Sent::Deny, 9.5, 0.1));
+        // A fifth more, and it pays within 2 s: changed.
+        assert!(!keeps(held, Sent::Tokens { max_tokens: 2, tokens: 12, fill_secs: 1 }, 12.0, 0.1));
     }
 
     #[test]

@@ -37,6 +37,10 @@ const REPORTING: Duration = Duration::from_millis(500);
 /// for it (its round's grant, then the send): generous for loopback.
 const DELIVERY: Nanos = 200_000_000;
 
+/// The buckets by size (their limits fall with their index), for the report.
+const SIZES: [(&str, std::ops::Range<usize>); 3] =
+    [("three largest", 0..3), ("next seven", 3..10), ("twenty smallest", 10..BUCKETS)];
+
 fn limits() -> Vec<u64> {
     let w: Vec<f64> = (0..BUCKETS).map(|i| 1.0 / ((i + 1) as f64).powf(1.1)).collect();
     let sum: f64 = w.iter().sum();
@@ -214,6 +218,8 @@ async fn fleet(weight: fn(usize, bool) -> f64) {
     let (mut ideal, mut got) = (0u64, 0u64);
     let mut by_bucket = vec![(0u64, 0u64); BUCKETS];
     let mut admitted = [[0u64; 2]; ENVOYS];
+    // After the swing, by the size of the bucket: (offered, admitted) per Envoy.
+    let mut by_size = [[(0u64, 0u64); ENVOYS]; SIZES.len()];
     let mut offered = [[0u64; 2]; ENVOYS];
     // Shares are judged from two reporting intervals after the swing.
     let settled = start + (SWING_AT + 2 * REPORTING).as_nanos() as u64;
@@ -235,6 +241,11 @@ async fn fleet(weight: fn(usize, bool) -> f64) {
         if let Some(p) = phase {
             offered[e][p] += 1;
             admitted[e][p] += u64::from(ok);
+        }
+        if phase == Some(1) {
+            let g = SIZES.iter().position(|(_, r)| r.contains(&b)).unwrap();
+            by_size[g][e].0 += 1;
+            by_size[g][e].1 += u64::from(ok);
         }
     }
     let used = got as f64 / ideal as f64;
@@ -267,6 +278,18 @@ async fn fleet(weight: fn(usize, bool) -> f64) {
         }
         let phase = if p == 0 { "before the swing" } else { "after it" };
         let _ = writeln!(report, "each Envoy's share against its demand share, {phase}:{line}");
+    }
+    for (g, (label, _)) in SIZES.iter().enumerate() {
+        let total: u64 = by_size[g].iter().map(|x| x.1).sum();
+        let demand: u64 = by_size[g].iter().map(|x| x.0).sum();
+        let line: Vec<String> = by_size[g]
+            .iter()
+            .map(|&(o, a)| {
+                let d = (a as f64 / total as f64) / (o as f64 / demand as f64) - 1.0;
+                format!("{:+.1}%", d * 100.0)
+            })
+            .collect();
+        let _ = writeln!(report, "  after it, in the {label}: {}", line.join(" "));
     }
     let _ = writeln!(
         report,

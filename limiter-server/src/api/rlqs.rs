@@ -117,6 +117,9 @@ const BUYS_AFTER: Duration = Duration::from_millis(20);
 /// square-root scale: a swing of half the demand is then taken within two reports
 /// rather than smoothed over many.
 const SHIFT_EVIDENCE: f64 = 3.0;
+/// The shortest span demand is measured over, seconds (Envoy reports every 100 ms
+/// at most often).
+const MIN_MEASURE: f64 = 0.05;
 /// The longest reporting interval the TTLs and a drain's payment follow (30 s):
 /// TTLs are at most twice it, a drain pays at most this long of a bucket's rate.
 const MAX_REPORT_GAP: Nanos = 30 * NANOS_PER_SEC;
@@ -365,6 +368,22 @@ fn scaled(count: f64) -> f64 {
     2.0 * (count + 0.375).sqrt()
 }
 
+/// The factor by which a stream's demand swung since the last round, if it did: the
+/// requests reported of its buckets that did not swing on their own, together more
+/// than three standard deviations (on Anscombe's scale) off what their estimates
+/// expected. An Envoy's traffic often moves as a whole (a load balancer shifts it
+/// between Envoys), and a slow bucket's few requests a round cannot tell such a
+/// swing from noise for seconds: their sum can at once. (A bucket that swings on its
+/// own takes its own count, and one far off would otherwise set the factor for all.)
+fn stream_swing<'a>(buckets: impl Iterator<Item = &'a Bucket>) -> Option<f64> {
+    let (counted, expected) = buckets
+        .filter(|b| b.sent.is_some())
+        .filter_map(Bucket::pending)
+        .filter(|&(c, e)| (scaled(c) - scaled(e)).abs() <= 3.0)
+        .fold((0.0, 0.0), |(c, e), (bc, be)| (c + bc, e + be));
+    (expected > 0.0 && (scaled(counted) - scaled(expected)).abs() > 3.0).then(|| counted / expected)
+}
+
 /// Units to pay for `rate` over `span` nanoseconds, rounded up.
 fn units_over(rate: f64, span: Nanos) -> u64 {
     whole((rate * span as f64 / NANOS_PER_SEC as f64).ceil())
@@ -417,14 +436,33 @@ struct Bucket {
 }
 
 impl Bucket {
+    /// The requests reported since the last measure and what the estimate expected
+    /// of them (`None`: no report since).
+    fn pending(&self) -> Option<(f64, f64)> {
+        let secs = self.reported.saturating_sub(self.since) as f64 / NANOS_PER_SEC as f64;
+        (secs >= MIN_MEASURE).then(|| (self.counted as f64, self.demand * secs))
+    }
+
     /// Folds the requests reported since the last measure into the demand, over the
     /// time between the reports that carried them: an Envoy may report less often
     /// than every round (a round with no report in it says nothing of demand).
-    fn measure(&mut self) {
+    /// `stream`: the factor by which the whole stream's demand swung this round, if
+    /// it did ([`stream_swing`]); a bucket that did not swing on its own takes it at
+    /// once, then its own count as usual.
+    fn measure(&mut self, stream: Option<f64>) {
         let upto = self.reported;
         let secs = upto.saturating_sub(self.since) as f64 / NANOS_PER_SEC as f64;
-        if secs <= 0.0 {
+        if secs < MIN_MEASURE {
+            // Too short to say anything (a report just after the subscription: one
+            // request over a few milliseconds is no rate); counted on.
             return;
+        }
+        if let Some(r) = stream
+            && (scaled(self.counted as f64) - scaled(self.demand * secs)).abs() <= 3.0
+        {
+            self.demand *= r;
+            self.swung = true;
+            self.last = (0, 0.0, 0.0);
         }
         let latest = self.counted as f64 / secs;
         // A swing (a count more than three standard deviations of Poisson arrivals
@@ -1107,12 +1145,13 @@ impl Session {
         actions: &mut Vec<BucketAction>,
     ) -> (Vec<Planned>, Vec<Planned>) {
         let (mut keeps, mut buys) = (Vec::new(), Vec::new());
+        let stream = if fresh_only { None } else { stream_swing(self.buckets.values()) };
         for (name, b) in &mut self.buckets {
             if fresh_only && b.sent.is_some() {
                 continue;
             }
             if !fresh_only {
-                b.measure();
+                b.measure(stream);
             }
             b.earn(m.now, m.burst);
             let keep_need = b.keep_need(m.horizon);
@@ -1300,7 +1339,7 @@ mod tests {
         let mut b = bucket(demand);
         b.counted = counted;
         b.reported = NANOS_PER_SEC / 2;
-        b.measure();
+        b.measure(None);
         b.demand
     }
 
@@ -1377,12 +1416,12 @@ mod tests {
         let mut b = bucket(60.0);
         b.counted = 45;
         b.reported = NANOS_PER_SEC / 2;
-        b.measure();
+        b.measure(None);
         assert!((b.demand - (0.25 * 90.0 + 0.75 * 60.0)).abs() < 1e-9, "{}", b.demand);
         assert!(!b.swung);
         b.counted = 45;
         b.reported = NANOS_PER_SEC;
-        b.measure();
+        b.measure(None);
         assert!((b.demand - 90.0).abs() < 1e-9, "{}", b.demand);
         assert!(b.swung, "the part last granted is stale");
         // Off both ways in turn: noise, smoothed.
@@ -1390,7 +1429,7 @@ mod tests {
         for (i, n) in [38, 24].into_iter().enumerate() {
             b.counted = n;
             b.reported = (i as u64 + 1) * NANOS_PER_SEC / 2;
-            b.measure();
+            b.measure(None);
         }
         assert!(!b.swung && (b.demand - 60.0).abs() < 8.0, "{}", b.demand);
     }
@@ -1401,7 +1440,7 @@ mod tests {
         for i in 1..4 {
             b.counted = u64::MAX;
             b.reported = i * NANOS_PER_SEC / 2;
-            b.measure();
+            b.measure(None);
             assert!(b.demand.is_finite(), "{}", b.demand);
             let item = b.item(u64::MAX, NANOS_PER_SEC);
             assert_eq!(item.demand_milli, u64::MAX);
@@ -1438,5 +1477,39 @@ mod tests {
         assert_eq!(buy_ask(10, 100.0, 600_000_000), 70);
         assert_eq!(buy_ask(u64::MAX, 1e300, u64::MAX), u64::MAX);
         assert_eq!(buy_ask(5, f64::INFINITY, NANOS_PER_SEC), u64::MAX);
+    }
+
+    #[test]
+    fn a_stream_that_swings_as_a_whole_moves_its_slow_buckets_at_once() {
+        // Twenty buckets expecting 1.5 requests each in half a second, given 0 or 1:
+        // none swings on its own, the stream does (10 of 30).
+        let mut buckets: Vec<Bucket> = (0..20).map(|_| bucket(3.0)).collect();
+        for (i, b) in buckets.iter_mut().enumerate() {
+            b.counted = u64::from(i % 2 == 0);
+            b.reported = NANOS_PER_SEC / 2;
+        }
+        let r = stream_swing(buckets.iter()).expect("the stream swung");
+        assert!((r - 1.0 / 3.0).abs() < 1e-9, "{r}");
+        for b in &mut buckets {
+            b.measure(Some(r));
+            assert!(b.swung && b.demand < 1.5, "{}", b.demand);
+        }
+        // The same counts in one bucket alone are noise; and a bucket far off on its
+        // own (here 200 of 1.5) takes its own count and sets nothing for the others.
+        let mut few: Vec<Bucket> = (0..2).map(|_| bucket(3.0)).collect();
+        for b in &mut few {
+            b.reported = NANOS_PER_SEC / 2;
+        }
+        assert_eq!(stream_swing(few.iter()), None);
+        few[0].counted = 200;
+        few[1].counted = 2;
+        assert_eq!(stream_swing(few.iter()), None);
+        // A report just after the subscription is no rate: counted on.
+        let mut b = bucket(0.0);
+        b.sent = None;
+        b.counted = 1;
+        b.reported = 5_000_000;
+        b.measure(None);
+        assert_eq!((b.demand, b.counted), (0.0, 1));
     }
 }

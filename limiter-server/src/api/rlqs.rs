@@ -440,7 +440,7 @@ impl Bucket {
     /// of them (`None`: no report since).
     fn pending(&self) -> Option<(f64, f64)> {
         let secs = self.reported.saturating_sub(self.since) as f64 / NANOS_PER_SEC as f64;
-        (secs >= MIN_MEASURE).then(|| (self.counted as f64, self.demand * secs))
+        (secs >= MIN_MEASURE).then_some((self.counted as f64, self.demand * secs))
     }
 
     /// Folds the requests reported since the last measure into the demand, over the

@@ -19,7 +19,7 @@
 //!   bucket (`max_tokens`: Envoy starts a new bucket full) besides. What the grant
 //!   does not cover is not assigned: the rate comes down, to `DENY_ALL` at nothing.
 //!   Units a round did not use go back with the next round's call (refunded
-//!   exactly). Keeps are paid first, new buckets asked for [`BUYS_AFTER`] later. So while rounds arrive, every unit an Envoy can admit was paid before
+//!   exactly). Keeps are paid first, new buckets asked for `BUYS_AFTER` later. So while rounds arrive, every unit an Envoy can admit was paid before
 //!   it could be spent, from the same levels every other caller spends: exact. When
 //!   they stop (this node dies, or is cut off from its Envoys), an Envoy goes on
 //!   spending its last assignment until its TTL: at most its rate over the TTL past
@@ -27,7 +27,7 @@
 //! - **Shares.** Each bucket's ask carries the Envoy's demand (allowed plus denied
 //!   requests per second, counted on our clock, never Envoy's `time_elapsed`; a swing
 //!   taken at once, per bucket or, where a stream's slow buckets swing together, per
-//!   stream: [`stream_swing`]), so near
+//!   stream: `stream_swing`), so near
 //!   the limit the owner divides what is left in proportion to demand; a rate is never
 //!   sent direct, held back, cut to the route's `max_batch` or to half of what is
 //!   left (`LeaseItem::rates`).

@@ -365,9 +365,20 @@ impl Tally {
     }
 }
 
-/// A count of Poisson arrivals on Anscombe's scale, where its spread is about 1.
-fn scaled(count: f64) -> f64 {
-    2.0 * (count + 0.375).sqrt()
+/// How many standard deviations off its estimate a count must be to be a swing.
+const SWING: f64 = 3.0;
+
+/// How far a count of Poisson arrivals is off what was `expected`, in standard
+/// deviations: on Anscombe's scale, `2 sqrt(x + 3/8)`, where their spread is about 1
+/// whatever the mean.
+fn off(counted: f64, expected: f64) -> f64 {
+    let scaled = |x: f64| 2.0 * (x + 0.375).sqrt();
+    scaled(counted) - scaled(expected)
+}
+
+/// Whether `counted` is a swing from what was `expected` ([`SWING`]).
+fn swings(counted: f64, expected: f64) -> bool {
+    off(counted, expected).abs() > SWING
 }
 
 /// The factor by which a stream's demand swung since the last round, if it did: the
@@ -381,9 +392,12 @@ fn stream_swing<'a>(buckets: impl Iterator<Item = &'a Bucket>) -> Option<f64> {
     let (counted, expected) = buckets
         .filter(|b| b.sent.is_some())
         .filter_map(Bucket::pending)
-        .filter(|&(c, e)| (scaled(c) - scaled(e)).abs() <= 3.0)
+        .filter(|&(c, e)| !swings(c, e))
         .fold((0.0, 0.0), |(c, e), (bc, be)| (c + bc, e + be));
-    (expected > 0.0 && (scaled(counted) - scaled(expected)).abs() > 3.0).then(|| counted / expected)
+    // Finite only: counts are the Envoy's to choose.
+    (expected > 0.0 && swings(counted, expected))
+        .then(|| counted / expected)
+        .filter(|r| r.is_finite())
 }
 
 /// Units to pay for `rate` over `span` nanoseconds, rounded up.
@@ -460,7 +474,7 @@ impl Bucket {
             return;
         }
         if let Some(r) = stream
-            && (scaled(self.counted as f64) - scaled(self.demand * secs)).abs() <= 3.0
+            && !swings(self.counted as f64, self.demand * secs)
         {
             self.demand *= r;
             self.swung = true;
@@ -476,16 +490,16 @@ impl Bucket {
         // smoothed, so that it does not change the bucket (each change costs a full
         // new bucket).
         let expected = self.demand * secs;
-        let off = scaled(self.counted as f64) - scaled(expected);
-        let swing = off.abs() > 3.0;
+        let by = off(self.counted as f64, expected);
+        let swing = by.abs() > SWING;
         // The measure before, if it was neither: both together against the estimate
         // before them, where both were off the same way.
         let (was_counted, was_secs, was_demand) = self.last;
         let both = was_counted.saturating_add(self.counted) as f64;
         let shift = !swing
             && was_secs > 0.0
-            && (was_counted as f64 - was_demand * was_secs) * off > 0.0
-            && (scaled(both) - scaled(was_demand * (was_secs + secs))).abs() > SHIFT_EVIDENCE;
+            && (was_counted as f64 - was_demand * was_secs) * by > 0.0
+            && off(both, was_demand * (was_secs + secs)).abs() > SHIFT_EVIDENCE;
         let before = self.demand;
         self.demand = if (self.sent.is_none() && self.demand == 0.0) || swing {
             latest

@@ -11,7 +11,7 @@
 //! depends on tokio, which cannot be built under `--cfg loom` as a dependency.
 
 use limiter_core::clock::Nanos;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 
 /// The outcome of a local spend.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -27,9 +27,11 @@ pub enum Spend {
     Miss,
 }
 
-/// The atomic part of a key's lease: 64 bytes in this order. Not aligned to a cache
+/// The atomic part of a key's lease: 48 bytes in this order. Not aligned to a cache
 /// line: the padding cost 40 bytes a key (a slot of 256 bytes against 216), and the
-/// lease-hit bench cannot tell the aligned from the unaligned one.
+/// lease-hit bench cannot tell the aligned from the unaligned one. Local decisions
+/// are counted by the caller (in the key's shard of the map, whose line a hit has
+/// just locked), not here.
 #[derive(Debug, Default)]
 #[repr(C)]
 pub struct Balance {
@@ -39,14 +41,20 @@ pub struct Balance {
     /// serve requests while its renewal is out; spent first, until `spare_deadline`.
     spare: AtomicU64,
     spare_deadline: AtomicU64,
-    low_water: AtomicU64,
-    hits: AtomicU64,
     last_used: AtomicU64,
-    renew_wanted: AtomicBool,
-    /// The key's chain has a concurrency level held in a local pool: its requests
-    /// need a permit too (kept here, on the line the hot path reads anyway).
-    permits: AtomicBool,
+    /// The low-water mark (below `RENEW_WANTED`) and two flags: a renewal was asked
+    /// for since the grant was installed (`RENEW_WANTED`), and the key's chain has a
+    /// concurrency level held in a local pool, so that its requests need a permit
+    /// too (`PERMITS`, kept here, on the line the hot path reads anyway).
+    word: AtomicU64,
 }
+
+/// `Balance::word`'s flag: a renewal was asked for since the grant was installed.
+const RENEW_WANTED: u64 = 1 << 62;
+/// `Balance::word`'s flag: the key's requests need a permit too.
+const PERMITS: u64 = 1 << 63;
+/// `Balance::word`'s low-water mark.
+const LOW_WATER: u64 = RENEW_WANTED - 1;
 
 impl Balance {
     /// Spends `cost` if the grant is still spendable at `now` and holds enough.
@@ -84,23 +92,27 @@ impl Balance {
         }
         self.count(now);
         let remaining = b - cost;
-        let renew = remaining < self.low_water.load(Ordering::Relaxed)
-            && !self.renew_wanted.swap(true, Ordering::Relaxed);
+        let renew = remaining < self.word.load(Ordering::Relaxed) & LOW_WATER
+            && self.word.fetch_or(RENEW_WANTED, Ordering::Relaxed) & RENEW_WANTED == 0;
         Spend::Hit { remaining, renew }
     }
 
     /// Whether the key's requests need a permit of its pool too.
     #[inline]
     pub fn needs_permit(&self) -> bool {
-        self.permits.load(Ordering::Relaxed)
+        self.word.load(Ordering::Relaxed) & PERMITS != 0
     }
 
     /// Says whether the key's requests need a permit of its pool too.
     pub fn set_needs_permit(&self, on: bool) {
-        self.permits.store(on, Ordering::Relaxed);
+        if on {
+            self.word.fetch_or(PERMITS, Ordering::Relaxed);
+        } else {
+            self.word.fetch_and(!PERMITS, Ordering::Relaxed);
+        }
     }
 
-    /// Counts a local decision that spent nothing here (a permit was all it took).
+    /// Records a local decision that spent nothing here (a permit was all it took).
     #[inline]
     pub fn hit(&self, now: Nanos) {
         self.count(now);
@@ -108,10 +120,8 @@ impl Balance {
 
     #[inline]
     fn count(&self, now: Nanos) {
-        // Relaxed, and a plain load and store rather than a locked add: a statistic
-        // (which may miss a count when two threads hit one key at the same instant)
-        // and an idleness hint, on the cache line the CAS already owns.
-        self.hits.store(self.hits.load(Ordering::Relaxed) + 1, Ordering::Relaxed);
+        // Relaxed, and a plain store: an idleness hint, on the cache line the CAS
+        // already owns.
         self.last_used.store(now, Ordering::Relaxed);
     }
 
@@ -166,8 +176,10 @@ impl Balance {
 
     /// Installs a new grant of `units`, spendable until `deadline`.
     pub fn install(&self, units: u64, deadline: Nanos, low_water: u64) {
-        self.low_water.store(low_water, Ordering::Relaxed);
-        self.renew_wanted.store(false, Ordering::Relaxed);
+        // The mark, the renewal not asked for, the permit flag as it was.
+        let _ = self.word.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |w| {
+            Some((w & PERMITS) | low_water.min(LOW_WATER))
+        });
         // Deadline first: a spender that sees the new balance sees this deadline too.
         self.deadline.store(deadline, Ordering::Release);
         self.balance.store(units, Ordering::Release);
@@ -182,11 +194,6 @@ impl Balance {
     /// Drops the spare units (the key gives everything back).
     pub fn drop_spare(&self) {
         self.spare.store(0, Ordering::Release);
-    }
-
-    /// Local decisions made so far (approximate under concurrent hits on one key).
-    pub fn hits(&self) -> u64 {
-        self.hits.load(Ordering::Relaxed)
     }
 
     /// The last time a spend or a request touched this key.
@@ -227,7 +234,22 @@ mod tests {
         b.install(5, 100, 0);
         assert_eq!(b.try_spend(100, 1), Spend::Miss, "past the deadline");
         assert_eq!(b.take(), 5);
-        assert_eq!(b.hits(), 3);
+    }
+
+    #[test]
+    fn the_permit_flag_outlives_grants_and_the_mark_its_grant() {
+        let b = Balance::default();
+        b.set_needs_permit(true);
+        b.install(10, 100, 5);
+        assert!(b.needs_permit());
+        assert_eq!(b.try_spend(1, 6), Spend::Hit { remaining: 4, renew: true });
+        b.install(10, 100, u64::MAX);
+        assert!(b.needs_permit(), "a grant keeps the flag");
+        assert_eq!(b.try_spend(1, 1), Spend::Hit { remaining: 9, renew: true }, "asked anew");
+        assert_eq!(b.try_spend(1, 1), Spend::Hit { remaining: 8, renew: false });
+        b.set_needs_permit(false);
+        assert!(!b.needs_permit());
+        assert_eq!(std::mem::size_of::<Balance>(), 48);
     }
 
     #[test]

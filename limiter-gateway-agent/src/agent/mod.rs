@@ -180,7 +180,7 @@ impl Agent {
     /// local pool too (the outcome holds it: release it when the request ends).
     #[inline]
     pub fn decide_local(&self, req: &AgentRequest<'_>) -> Option<Outcome> {
-        self.with_slot(req, |slot, now| {
+        self.decide_slot(req, |slot, now| {
             if !slot.balance.needs_permit() {
                 return self.inner.spend(slot, now, req.cost).map(Outcome::local);
             }
@@ -190,16 +190,17 @@ impl Agent {
         })
     }
 
-    /// `f` on the request's key's slot, if it has one, with the time now.
+    /// `f` on the request's key's slot, if it has one, with the time now: a `Some`
+    /// is a local decision, counted.
     #[inline]
-    fn with_slot<T>(
+    fn decide_slot<T>(
         &self,
         req: &AgentRequest<'_>,
         f: impl FnOnce(&Arc<Slot>, Nanos) -> Option<T>,
     ) -> Option<T> {
         let r = SlotRef { tenant: req.tenant, route: req.route, key: req.key.unwrap_or("") };
         let now = self.inner.clock.now();
-        self.inner.slots.with(&r, |slot| f(slot, now)).flatten()
+        self.inner.slots.decide(&r, |slot| f(slot, now))
     }
 
     /// The fast path at its leanest: spends `req.cost` from the local balance and
@@ -208,7 +209,7 @@ impl Agent {
     /// [`Self::decide_local`] and [`Self::acquire_local`] take).
     #[inline]
     pub fn spend_local(&self, req: &AgentRequest<'_>) -> Option<u64> {
-        self.with_slot(req, |slot, now| {
+        self.decide_slot(req, |slot, now| {
             if slot.balance.needs_permit() {
                 return None;
             }
@@ -222,7 +223,7 @@ impl Agent {
     /// allocation: the permit goes back when released or dropped.
     #[inline]
     pub fn acquire_local(&self, req: &AgentRequest<'_>) -> Option<LocalPermit> {
-        self.with_slot(req, |slot, now| {
+        self.decide_slot(req, |slot, now| {
             let only = slot.pool.get()?.mode()?;
             self.inner.take_local(slot, now, req.cost, only).map(|(p, _)| p)
         })
@@ -231,10 +232,11 @@ impl Agent {
     /// A handle on the pool of `req`'s key (see [`PermitHandle`]), once the key has
     /// one: `None` for a key not seen yet or whose chain has no concurrency level.
     pub fn permit_handle(&self, req: &AgentRequest<'_>) -> Option<PermitHandle> {
-        self.with_slot(req, |slot, _| {
+        let r = SlotRef { tenant: req.tenant, route: req.route, key: req.key.unwrap_or("") };
+        self.inner.slots.with(&r, |slot| {
             slot.pool.get()?.mode()?;
             Some(PermitHandle { agent: self.clone(), slot: slot.clone() })
-        })
+        })?
     }
 
     /// Decides a request: locally when the balance allows, else through the owner

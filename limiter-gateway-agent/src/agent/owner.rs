@@ -477,6 +477,9 @@ impl Inner {
         let now = self.clock.now();
         slot.balance.touch(now);
         if let Spend::Hit { remaining, .. } = slot.balance.try_spend(now, cost) {
+            if !waited {
+                self.slots.count(slot);
+            }
             let source = if waited { Source::Granted } else { Source::Local };
             return Ok(Outcome { source, ..Outcome::local(remaining) });
         }

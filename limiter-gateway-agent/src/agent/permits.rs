@@ -39,6 +39,9 @@ const ONLY: u8 = 2;
 #[derive(Debug, Default)]
 pub(super) struct Pool {
     pub(super) atomics: PermitPool,
+    /// Local decisions taken through a [`PermitHandle`] (which skips the key's
+    /// lookup and its shard's count), counted beside the atomics it has just written.
+    pub(super) handle_hits: AtomicU64,
     mode: AtomicU8,
     blocks: Mutex<Blocks>,
     /// One request asks for a block at a time (the others wait, then look again).
@@ -229,6 +232,7 @@ impl PermitHandle {
             // Not enough units: the permit goes back as it drops.
             inner.spend(&self.slot, now, cost)?;
         }
+        pool.handle_hits.fetch_add(1, Ordering::Relaxed);
         Some(permit)
     }
 }
@@ -368,20 +372,23 @@ impl Inner {
         slot: &Arc<Slot>,
         cost: u64,
     ) -> Result<Outcome, AgentError> {
-        let permit = match self.permit(slot, cost).await? {
+        let (permit, called) = match self.permit(slot, cost).await? {
             Took::Permit(p, called) => {
                 if called {
                     self.stats[SLOW].fetch_add(1, Ordering::Relaxed);
                 }
-                p
+                (p, called)
             }
             Took::Answer(o) => return Ok(o),
             Took::Off => return self.slow(slot, cost).await,
         };
         let now = self.clock.now();
-        match slot.pool.get().and_then(|p| p.mode()) {
+        match slot.pool.get().and_then(Pool::mode) {
             Some(true) => {
                 slot.balance.hit(now);
+                if !called {
+                    self.slots.count(slot);
+                }
                 return Ok(Outcome::local(0).with_local(permit, now));
             }
             Some(false) => {}
@@ -389,6 +396,9 @@ impl Inner {
             None => return self.slow(slot, cost).await,
         }
         if let Some(remaining) = self.spend(slot, now, cost) {
+            if !called {
+                self.slots.count(slot);
+            }
             return Ok(Outcome::local(remaining).with_local(permit, now));
         }
         let o = self.slow(slot, cost).await?;
@@ -408,7 +418,7 @@ impl Inner {
         o: Outcome,
         cost: u64,
     ) -> Result<Outcome, AgentError> {
-        if slot.pool.get().and_then(|p| p.mode()).is_none() {
+        if slot.pool.get().and_then(Pool::mode).is_none() {
             return Ok(o);
         }
         Ok(match self.permit(slot, cost).await? {
@@ -426,7 +436,7 @@ impl Inner {
         slot: &Arc<Slot>,
         cost: u64,
     ) -> Result<Took, AgentError> {
-        let pool = slot.pool.get_or_init(Box::default);
+        let pool = slot.pool.get_or_init(|| Box::new(Pool::default()));
         if let Some(p) = slot.take_permit(self.clock.now(), cost) {
             return Ok(Took::Permit(p, false));
         }

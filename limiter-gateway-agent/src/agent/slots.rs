@@ -10,30 +10,71 @@ use std::hash::Hash;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
-/// A key's names in one allocation: `tenant`, `route` and `key` back to back.
+/// A key's names, `tenant`, `route` and `key` back to back: in the slot itself when
+/// they come to at most `INLINE` bytes (32 bytes with their lengths, as many as the
+/// pointer, length and allocation of a boxed string), else in an allocation of their
+/// own.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub(super) struct SlotKey {
-    pub(super) text: Box<str>,
-    pub(super) tenant_len: u32,
-    pub(super) route_len: u32,
+pub(super) enum SlotKey {
+    Inline { tenant_len: u8, route_len: u8, len: u8, bytes: [u8; INLINE] },
+    Boxed { tenant_len: u32, route_len: u32, text: Box<str> },
 }
+
+/// The most bytes of names a slot holds in place.
+const INLINE: usize = 28;
 
 impl SlotKey {
     pub(super) fn new(tenant: &str, route: &str, key: &str) -> Self {
+        let len = tenant.len() + route.len() + key.len();
+        if len <= INLINE {
+            let mut bytes = [0; INLINE];
+            let mut at = 0;
+            for part in [tenant, route, key] {
+                bytes[at..at + part.len()].copy_from_slice(part.as_bytes());
+                at += part.len();
+            }
+            // Each under 29: the casts are exact.
+            #[allow(clippy::cast_possible_truncation)]
+            return Self::Inline {
+                tenant_len: tenant.len() as u8,
+                route_len: route.len() as u8,
+                len: len as u8,
+                bytes,
+            };
+        }
         let text = [tenant, route, key].concat().into_boxed_str();
         let len = |s: &str| u32::try_from(s.len()).unwrap_or(u32::MAX);
-        Self { text, tenant_len: len(tenant), route_len: len(route) }
+        Self::Boxed { text, tenant_len: len(tenant), route_len: len(route) }
+    }
+
+    /// Where the tenant's and the route's names end, and the names' bytes.
+    #[inline(always)]
+    fn raw(&self) -> (usize, usize, &[u8]) {
+        match self {
+            Self::Inline { tenant_len, route_len, len, bytes } => {
+                let t = usize::from(*tenant_len);
+                (t, t + usize::from(*route_len), &bytes[..usize::from(*len)])
+            }
+            Self::Boxed { tenant_len, route_len, text } => {
+                let t = *tenant_len as usize;
+                (t, t + *route_len as usize, text.as_bytes())
+            }
+        }
     }
 
     pub(super) fn parts(&self) -> (&str, &str, &str) {
-        let t = self.tenant_len as usize;
-        let r = t + self.route_len as usize;
-        (&self.text[..t], &self.text[t..r], &self.text[r..])
+        let (t, r, text) = self.raw();
+        (part(&text[..t]), part(&text[t..r]), part(&text[r..]))
     }
 
     pub(super) fn route(&self) -> &str {
         self.parts().1
     }
+}
+
+/// A part of a key's names (each was a whole `str`: never invalid).
+fn part(b: &[u8]) -> &str {
+    std::str::from_utf8(b).unwrap_or_default()
 }
 
 /// The borrowed form a request looks a slot up with (no allocation).
@@ -61,9 +102,9 @@ impl SlotRef<'_> {
     #[inline(always)]
     pub(super) fn matches(&self, k: &SlotKey) -> bool {
         let (t, r) = (self.tenant.len(), self.route.len());
-        let text = k.text.as_bytes();
-        k.tenant_len as usize == t
-            && k.route_len as usize == r
+        let (kt, kr, text) = k.raw();
+        kt == t
+            && kr == t + r
             && text.len() == t + r + self.key.len()
             && same(&text[..t], self.tenant.as_bytes())
             && same(&text[t..t + r], self.route.as_bytes())
@@ -158,8 +199,8 @@ pub(super) struct Slot {
     /// and is idle (`shed`): an idle key does not carry it.
     lease: parking_lot::Mutex<Option<Arc<LeaseCell>>>,
     /// The permits of the chain's concurrency levels held here (once the owner said
-    /// the chain has some).
-    pub(super) pool: std::sync::OnceLock<Box<super::permits::Pool>>,
+    /// the chain has some): one pointer, 8 bytes (a `OnceLock` takes 16).
+    pub(super) pool: once_cell::race::OnceBox<super::permits::Pool>,
 }
 
 impl Slot {
@@ -170,10 +211,15 @@ impl Slot {
             balance: Balance::default(),
             due: AtomicU64::new(0),
             lease: parking_lot::Mutex::default(),
-            pool: std::sync::OnceLock::new(),
+            pool: once_cell::race::OnceBox::new(),
         };
         slot.balance.touch(now);
         slot
+    }
+
+    /// Local decisions taken through a permit handle (counted in the key's pool).
+    fn handle_hits(&self) -> u64 {
+        self.pool.get().map_or(0, |p| p.handle_hits.load(Ordering::Relaxed))
     }
 
     /// The key's slow-path state, made if it has none.
@@ -223,13 +269,17 @@ pub(super) const SHARDS: usize = 128;
 /// lookups in different shards do not bounce one line between cores.
 #[repr(align(128))]
 #[derive(Default)]
-struct Shard(RwLock<SlotMap>);
+struct Shard {
+    map: RwLock<SlotMap>,
+    /// Local decisions of the shard's keys, forgotten ones included: counted here,
+    /// on the line the lookup's read lock has just written, rather than in each
+    /// key's slot (8 bytes a key).
+    hits: AtomicU64,
+}
 
 pub(super) struct Slots {
     shards: Box<[Shard]>,
     hasher: hashbrown::DefaultHashBuilder,
-    /// Local decisions of keys forgotten so far (their slots are gone).
-    forgotten_hits: AtomicU64,
 }
 
 impl Default for Slots {
@@ -237,7 +287,6 @@ impl Default for Slots {
         Self {
             shards: (0..SHARDS).map(|_| Shard::default()).collect(),
             hasher: hashbrown::DefaultHashBuilder::default(),
-            forgotten_hits: AtomicU64::new(0),
         }
     }
 }
@@ -252,7 +301,12 @@ impl Slots {
     /// The shard of a hash: its high bits (each map probes with the low ones).
     #[inline]
     fn shard(&self, hash: u64) -> &RwLock<SlotMap> {
-        &self.shards[(hash >> 57) as usize % SHARDS].0
+        &self.shards[Self::shard_of(hash)].map
+    }
+
+    #[inline]
+    fn shard_of(hash: u64) -> usize {
+        (hash >> 57) as usize % SHARDS
     }
 
     /// Applies `f` to the key's slot, if there is one (under its shard's read lock:
@@ -261,6 +315,30 @@ impl Slots {
     pub(super) fn with<T>(&self, r: &SlotRef<'_>, f: impl FnOnce(&Arc<Slot>) -> T) -> Option<T> {
         let hash = self.hash(r);
         self.shard(hash).read().find(hash, |s| r.matches(&s.key)).map(f)
+    }
+
+    /// Applies `f` to the key's slot, if there is one, as [`Self::with`]: a `Some` is
+    /// a local decision, counted.
+    #[inline]
+    pub(super) fn decide<T>(
+        &self,
+        r: &SlotRef<'_>,
+        f: impl FnOnce(&Arc<Slot>) -> Option<T>,
+    ) -> Option<T> {
+        let hash = self.hash(r);
+        let shard = &self.shards[Self::shard_of(hash)];
+        let map = shard.map.read();
+        let out = f(map.find(hash, |s| r.matches(&s.key))?);
+        if out.is_some() {
+            shard.hits.fetch_add(1, Ordering::Relaxed);
+        }
+        out
+    }
+
+    /// Counts a local decision of `slot`'s key (made without a lookup).
+    pub(super) fn count(&self, slot: &Slot) {
+        let hash = self.hash(&slot.key.as_ref());
+        self.shards[Self::shard_of(hash)].hits.fetch_add(1, Ordering::Relaxed);
     }
 
     pub(super) fn get_or_insert(&self, r: &SlotRef<'_>, make: impl FnOnce() -> Slot) -> Arc<Slot> {
@@ -290,25 +368,26 @@ impl Slots {
     }
 
     pub(super) fn all(&self) -> Vec<Arc<Slot>> {
-        self.shards.iter().flat_map(|s| s.0.read().iter().cloned().collect::<Vec<_>>()).collect()
+        self.shards.iter().flat_map(|s| s.map.read().iter().cloned().collect::<Vec<_>>()).collect()
     }
 
     /// Keys held, and how many of them carry a slow-path state.
     pub(super) fn counts(&self) -> (usize, usize) {
         self.shards.iter().fold((0, 0), |(n, with), s| {
-            let map = s.0.read();
+            let map = s.map.read();
             (n + map.len(), with + map.iter().filter(|x| x.lease.lock().is_some()).count())
         })
     }
 
     /// Local decisions made so far, the forgotten keys' included.
     pub(super) fn hits(&self) -> u64 {
-        let held: u64 = self
-            .shards
+        self.shards
             .iter()
-            .map(|s| s.0.read().iter().map(|x| x.balance.hits()).sum::<u64>())
-            .sum();
-        held + self.forgotten_hits.load(Ordering::Relaxed)
+            .map(|s| {
+                let handles: u64 = s.map.read().iter().map(|x| x.handle_hits()).sum();
+                s.hits.load(Ordering::Relaxed) + handles
+            })
+            .sum()
     }
 
     /// Forgets `slots`; a shard they leave mostly empty is shrunk (only the shards
@@ -319,7 +398,8 @@ impl Slots {
             let mut map = self.shard(hash).write();
             if let Ok(e) = map.find_entry(hash, |x| Arc::ptr_eq(x, s)) {
                 e.remove();
-                self.forgotten_hits.fetch_add(s.balance.hits(), Ordering::Relaxed);
+                let shard = &self.shards[Self::shard_of(hash)];
+                shard.hits.fetch_add(s.handle_hits(), Ordering::Relaxed);
             }
             if map.capacity() > 64 && map.len() < map.capacity() / 4 {
                 map.shrink_to_fit(|x| self.hash(&x.key.as_ref()));
@@ -355,5 +435,25 @@ mod tests {
         let k = SlotKey::new("ab", "c", "d");
         assert!(!SlotRef { tenant: "a", route: "bc", key: "d" }.matches(&k));
         assert!(!SlotRef { tenant: "ab", route: "", key: "cd" }.matches(&k));
+    }
+
+    /// Names of up to 28 bytes are kept in place, longer ones boxed; both give
+    /// their parts back, and a slot is 112 bytes either way.
+    #[test]
+    fn short_names_are_kept_in_place_and_long_ones_boxed() {
+        for (t, r, k) in
+            [("", "/r", ""), ("tenant", "/route", "key-000000000000"), ("é", "/ü", "ß")]
+        {
+            let key = SlotKey::new(t, r, k);
+            assert!(matches!(key, SlotKey::Inline { .. }), "{t}{r}{k}");
+            assert_eq!(key.parts(), (t, r, k));
+            assert!(SlotRef { tenant: t, route: r, key: k }.matches(&key));
+        }
+        let long = SlotKey::new("tenant", "/route", "key-00000000000000");
+        assert!(matches!(long, SlotKey::Boxed { .. }));
+        assert_eq!(long.parts(), ("tenant", "/route", "key-00000000000000"));
+        assert_ne!(long, SlotKey::new("tenant", "/route", "key-00000000000001"));
+        assert_eq!(std::mem::size_of::<SlotKey>(), 32);
+        assert_eq!(std::mem::size_of::<Slot>(), 112);
     }
 }

@@ -76,19 +76,28 @@ impl Slice {
 
     /// Units spendable now: the balance and what was carried over.
     fn available(&mut self, now: Nanos) -> u64 {
-        self.carry.retain(|(until, units)| now < *until && *units > 0);
-        let own = if self.live(now) { self.units } else { 0 };
-        own + self.carry.iter().map(|(_, u)| u).sum::<u64>()
+        self.available_until(now, now)
     }
 
-    /// Spends `n` of what is available (carried units first, soonest ending first);
-    /// returns the earliest end among the units spent.
-    fn spend(&mut self, mut n: u64, now: Nanos) -> Nanos {
+    /// Units spendable now and still at `from` (an agent's lease is lent only what
+    /// it can spend for a while): the balance and what was carried over.
+    fn available_until(&mut self, now: Nanos, from: Nanos) -> u64 {
+        self.carry.retain(|(until, units)| now < *until && *units > 0);
+        let own = if self.live(now) && self.until > from { self.units } else { 0 };
+        own + self.carry.iter().filter(|(until, _)| *until > from).map(|(_, u)| u).sum::<u64>()
+    }
+
+    /// Spends `n` of what is available and still spendable at `from` (carried units
+    /// first, soonest ending first); returns the earliest end among the units spent.
+    fn spend(&mut self, mut n: u64, now: Nanos, from: Nanos) -> Nanos {
         self.carry.sort_unstable_by_key(|(until, _)| *until);
         let mut until = Nanos::MAX;
         for (end, units) in &mut self.carry {
             if n == 0 {
                 break;
+            }
+            if *end <= from {
+                continue;
             }
             let k = n.min(*units);
             *units -= k;
@@ -163,21 +172,25 @@ impl Slices {
         }
         for k in keys {
             let s = held.get_mut(k).expect("checked above");
-            s.spend(units, now);
+            s.spend(units, now, now);
             s.note_spend(units, now);
         }
         Take::Taken
     }
 
     /// Takes up to `want` (at least `min`) units from every slice in `keys`, for an
-    /// agent's lease; returns the units and the slices' end (the lease's hold must
-    /// not pass it), or `Short` / `Denied` like [`Self::take`].
+    /// agent's lease, of those still spendable at `from` (units that end sooner,
+    /// carried from an earlier slice, stay for this node's own decisions: a lease of
+    /// a few milliseconds strands them at the agent); returns the units and the
+    /// slices' end (the lease's hold must not pass it), or `Short` / `Denied` like
+    /// [`Self::take`].
     pub fn take_up_to(
         &self,
         keys: &[SliceKey],
         want: u64,
         min: u64,
         now: Nanos,
+        from: Nanos,
     ) -> Result<(u64, Nanos), Take> {
         let mut held = self.held.lock();
         let mut units = want;
@@ -190,7 +203,7 @@ impl Slices {
             {
                 return Err(Take::Denied(k.clone(), wait, r.detail));
             }
-            let available = s.available(now);
+            let available = s.available_until(now, from.max(now));
             if available < min.max(1) {
                 return Err(Take::Short(k.clone()));
             }
@@ -198,7 +211,7 @@ impl Slices {
         }
         for k in keys {
             let s = held.get_mut(k).expect("checked above");
-            until = until.min(s.spend(units, now));
+            until = until.min(s.spend(units, now, from.max(now)));
             s.note_spend(units, now);
         }
         Ok((units, until))
@@ -245,10 +258,13 @@ impl Slices {
         out
     }
 
-    /// Whether `key` has `units` to spend now (a refill that raced this one may
-    /// already have filled it).
-    pub fn has(&self, key: &SliceKey, units: u64, now: Nanos) -> bool {
-        self.held.lock().get_mut(key).is_some_and(|s| s.available(now) >= units.max(1))
+    /// Whether `key` has `units` to spend now and still at `from` (a refill that
+    /// raced this one may already have filled it).
+    pub fn has(&self, key: &SliceKey, units: u64, now: Nanos, from: Nanos) -> bool {
+        self.held
+            .lock()
+            .get_mut(key)
+            .is_some_and(|s| s.available_until(now, from.max(now)) >= units.max(1))
     }
 
     /// Units `key`'s slice could spend now, and until when (0 and `now`: none held).
@@ -385,7 +401,8 @@ impl Cluster {
     }
 
     /// Asks `owner` for a fresh slice of `key` (returning what is left of the old
-    /// one), unless a concurrent refill already made `cost` available.
+    /// one), unless a concurrent refill already made `cost` available, spendable
+    /// still at `from` (0: now).
     ///
     /// # Errors
     ///
@@ -396,11 +413,12 @@ impl Cluster {
         owner: &Member,
         cost: u64,
         want: u64,
+        from: Nanos,
     ) -> Result<(), ServerError> {
         let lock = self.slices.fill_lock(key);
         let _one = lock.lock().await;
         let now = self.clock.now();
-        if self.slices.has(key, cost, now) {
+        if self.slices.has(key, cost, now, from) {
             return Ok(());
         }
         let (lease_id, unspent, demand) = self.slices.detach(key, now);
@@ -485,7 +503,7 @@ impl Cluster {
             async {
                 if idle {
                     self.return_slice(&key, &owner).await;
-                } else if let Err(e) = self.refill(&key, &owner, 1, 1).await {
+                } else if let Err(e) = self.refill(&key, &owner, 1, 1, 0).await {
                     tracing::debug!("slice renewal: {e}");
                 }
             }

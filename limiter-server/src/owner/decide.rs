@@ -76,7 +76,7 @@ impl Owner {
                 }
                 Take::Short(key) => {
                     let owner = remote.owner(&key).ok_or_else(lost)?;
-                    cluster.refill(&key, owner, chain.cost, chain.cost).await?;
+                    cluster.refill(&key, owner, chain.cost, chain.cost, 0).await?;
                     last = key;
                 }
                 Take::Denied(key, wait, by_share) => return refuse(&key, wait, by_share),

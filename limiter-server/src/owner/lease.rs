@@ -574,8 +574,10 @@ impl Owner {
         let Some(size) = renewal.size(chain, self.store().remaining(chain, now).await?) else {
             return Ok((Leased::Direct, Nanos::MAX));
         };
+        // A lease is lent only units it can spend for a quarter of its hold at least.
+        let lend_until = now.saturating_add(ask.hold / 4);
         let Some((from_slices, until)) =
-            self.take_slices(cluster, full, slices, size, ask.cost).await?
+            self.take_slices(cluster, full, slices, size, ask.cost, lend_until).await?
         else {
             return Ok((Leased::Short, Nanos::MAX));
         };
@@ -590,9 +592,9 @@ impl Owner {
         Ok((Leased::Granted(g), until))
     }
 
-    /// Takes up to `want` (at least `min`) units from the slices `remote`, refilling
-    /// them from their owners as needed: the units and the slices' end, or `None`
-    /// when an owner refuses.
+    /// Takes up to `want` (at least `min`) units from the slices `remote`, of those
+    /// still spendable at `from`, refilling them from their owners as needed: the
+    /// units and the slices' end, or `None` when an owner refuses.
     async fn take_slices(
         &self,
         cluster: &Cluster,
@@ -600,6 +602,7 @@ impl Owner {
         remote: &Remote,
         want: u64,
         min: u64,
+        from: Nanos,
     ) -> Result<Option<(u64, Nanos)>, ServerError> {
         // A refill for an agent asks for the whole grant (never more than the root
         // level can hold): near the limit the owner refuses, and the refusal, kept
@@ -614,11 +617,11 @@ impl Owner {
         let need = want.max(min).min(capacity).max(1);
         for _ in 0..3 {
             let now = self.clock().now();
-            match cluster.slices().take_up_to(&remote.keys, want, min, now) {
+            match cluster.slices().take_up_to(&remote.keys, want, min, now, from) {
                 Ok(got) => return Ok(Some(got)),
                 Err(crate::cluster::slices::Take::Short(key)) => {
                     let Some(owner) = remote.owner(&key) else { return Ok(None) };
-                    match cluster.refill(&key, owner, need, want).await {
+                    match cluster.refill(&key, owner, need, want, from).await {
                         Ok(()) => {}
                         Err(ServerError::Exhausted(_)) => return Ok(None),
                         Err(e) => return Err(e),

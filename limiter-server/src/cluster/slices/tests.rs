@@ -27,17 +27,39 @@ fn a_refusal_stands_briefly_and_returns_credit_only_the_same_lease() {
     assert!(matches!(s.take(&[key()], 1, 1), Take::Denied(..)));
     assert_eq!(s.take(&[key()], 1, 6_000_000), Take::Short(key()));
     s.install(&key(), 7, 10, 1_000_000_000);
-    assert_eq!(s.take_up_to(&[key()], 4, 1, 10), Ok((4, 1_000_000_000)));
+    assert_eq!(s.take_up_to(&[key()], 4, 1, 10, 0), Ok((4, 1_000_000_000)));
     s.funded(99, &[key()], 1_000_000_000);
     s.returned(99, 3, 20);
-    assert!(s.has(&key(), 9, 20));
+    assert!(s.has(&key(), 9, 20, 0));
     // Renewed: what agents return from the old slice stays spendable until the
     // old slice's end, and is spent first.
     s.funded(100, &[key()], 500);
     s.install(&key(), 8, 1, 2_000_000_000);
     s.returned(100, 5, 30);
-    assert!(s.has(&key(), 6, 30));
-    assert_eq!(s.take_up_to(&[key()], 2, 1, 40), Ok((2, 500)), "carried units end first");
-    assert!(s.has(&key(), 4, 499));
-    assert!(!s.has(&key(), 5, 500), "carried units end with their slice");
+    assert!(s.has(&key(), 6, 30, 0));
+    assert_eq!(s.take_up_to(&[key()], 2, 1, 40, 0), Ok((2, 500)), "carried units end first");
+    assert!(s.has(&key(), 4, 499, 0));
+    assert!(!s.has(&key(), 5, 500, 0), "carried units end with their slice");
+}
+
+/// An agent's lease is lent only units still spendable at `from`: units carried
+/// from an earlier slice that end sooner stay for this node's own decisions, and a
+/// slice that ends sooner is short (refilled, its rest returned with the refill).
+#[test]
+fn a_lease_is_lent_only_units_it_can_spend_for_a_while() {
+    let s = Slices::default();
+    s.funded(100, &[key()], 500);
+    s.install(&key(), 8, 2, 2_000_000_000);
+    s.returned(100, 5, 30);
+    // The 5 carried units end at 500: not lent for a lease that must last past 600.
+    assert!(!s.has(&key(), 3, 40, 600));
+    assert!(s.has(&key(), 2, 40, 600));
+    assert_eq!(s.take_up_to(&[key()], 4, 1, 40, 600), Ok((2, 2_000_000_000)), "the slice's own");
+    assert_eq!(s.take_up_to(&[key()], 1, 1, 40, 600), Err(Take::Short(key())));
+    // The node's own decisions spend them.
+    assert_eq!(s.take(&[key()], 5, 40), Take::Taken);
+    // A slice that ends before `from` lends nothing.
+    s.install(&key(), 9, 10, 1_000);
+    assert_eq!(s.take_up_to(&[key()], 1, 1, 40, 1_000), Err(Take::Short(key())));
+    assert_eq!(s.take_up_to(&[key()], 1, 1, 40, 999), Ok((1, 1_000)));
 }

@@ -40,6 +40,10 @@ pub type SliceKey = (Scope, Box<str>, Box<str>);
 /// A slice is given up 2% of its hold early.
 const MARGIN: Margin = Margin::permille(20);
 
+/// A retired slice's lease is settled this long before its end (two renewal ticks:
+/// the settle reaches the owner before the lease lapses there).
+const SETTLE_LEAD: Nanos = 200 * 1_000_000;
+
 /// A refusal is remembered at most this long.
 const DENIED_FOR: Nanos = 20 * 1_000_000;
 
@@ -64,9 +68,23 @@ pub struct Slice {
     demand: Demand,
     /// Last time a request needed this slice.
     pub last_used: Nanos,
-    /// Units agents gave back from leases an earlier slice funded: spendable until
+    /// Units of earlier slices: what was left of a slice when it was renewed, and
+    /// what agents gave back from leases an earlier slice funded. Spendable until
     /// that slice's end (never later), spent first.
-    carry: Vec<(Nanos, u64)>,
+    carry: Vec<Carry>,
+}
+
+/// Units of an earlier slice.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+struct Carry {
+    /// Spendable until (the slice's end).
+    until: Nanos,
+    units: u64,
+    /// The owner's lease of that slice while it is open there (0: settled). A slice
+    /// renewed is not settled at once: agents give back units it funded until its
+    /// end, and what is left then goes back to the owner (settled as its end nears,
+    /// [`Slices::settle_due`]) instead of lapsing here.
+    lease: u64,
 }
 
 impl Slice {
@@ -82,27 +100,29 @@ impl Slice {
     /// Units spendable now and still at `from` (an agent's lease is lent only what
     /// it can spend for a while): the balance and what was carried over.
     fn available_until(&mut self, now: Nanos, from: Nanos) -> u64 {
-        self.carry.retain(|(until, units)| now < *until && *units > 0);
+        self.carry.retain(|c| now < c.until && (c.units > 0 || c.lease != 0));
         let own = if self.live(now) && self.until > from { self.units } else { 0 };
-        own + self.carry.iter().filter(|(until, _)| *until > from).map(|(_, u)| u).sum::<u64>()
+        own + self.carry.iter().filter(|c| c.until > from).map(|c| c.units).sum::<u64>()
     }
 
     /// Spends `n` of what is available and still spendable at `from` (carried units
     /// first, soonest ending first); returns the earliest end among the units spent.
     fn spend(&mut self, mut n: u64, now: Nanos, from: Nanos) -> Nanos {
-        self.carry.sort_unstable_by_key(|(until, _)| *until);
+        self.carry.sort_unstable_by_key(|c| c.until);
         let mut until = Nanos::MAX;
-        for (end, units) in &mut self.carry {
+        for c in &mut self.carry {
             if n == 0 {
                 break;
             }
-            if *end <= from {
+            if c.until <= from || c.until <= now {
                 continue;
             }
-            let k = n.min(*units);
-            *units -= k;
+            let k = n.min(c.units);
+            c.units -= k;
             n -= k;
-            until = until.min(*end);
+            if k > 0 {
+                until = until.min(c.until);
+            }
         }
         if n > 0 {
             self.units -= n;
@@ -230,12 +250,11 @@ impl Slices {
                 && s.live(now)
             {
                 // Carried units taken first come back as the slice's own only if
-                // they end no earlier: put them back as carry with the earliest end.
-                let end = s.carry.iter().map(|(u, _)| *u).min().unwrap_or(s.until).min(s.until);
-                if end < s.until {
-                    s.carry.push((end, units));
-                } else {
-                    s.units += units;
+                // they end no earlier: put them back with the earliest carried ones.
+                let end = s.carry.iter().map(|c| c.until).min().unwrap_or(s.until).min(s.until);
+                match s.carry.iter_mut().find(|c| c.until == end) {
+                    Some(c) if end < s.until => c.units += units,
+                    _ => s.units += units,
                 }
                 s.demand.unspend(units);
             }
@@ -245,6 +264,41 @@ impl Slices {
     /// The lock that makes one refill of `key` at a time.
     pub fn fill_lock(&self, key: &SliceKey) -> Arc<tokio::sync::Mutex<()>> {
         self.fills.lock().entry(key.clone()).or_default().clone()
+    }
+
+    /// Retires `key`'s slice before a new one is asked for: what is left of it is
+    /// carried, spendable until its end, its lease kept open at the owner (settled
+    /// by [`Self::settle_due`]). Returns the slice's demand per second.
+    pub fn retire(&self, key: &SliceKey, now: Nanos) -> u64 {
+        let mut held = self.held.lock();
+        let s = held.entry(key.clone()).or_default();
+        if s.live(now) {
+            let c = Carry { until: s.until, units: s.units, lease: s.lease_id };
+            s.carry.push(c);
+        }
+        s.lease_id = 0;
+        s.units = 0;
+        s.demand()
+    }
+
+    /// The open leases of retired slices whose end is within `lead` of `now` (every
+    /// one when `lead` is `Nanos::MAX`), with their units left, to be settled with
+    /// their owners: (slice, lease, units). They are no longer spendable here.
+    pub fn settle_due(&self, now: Nanos, lead: Nanos) -> Vec<(SliceKey, u64, u64)> {
+        let mut out = Vec::new();
+        let mut held = self.held.lock();
+        for (k, s) in held.iter_mut() {
+            for c in &mut s.carry {
+                if c.lease != 0 && c.until <= now.saturating_add(lead) {
+                    let units = if now < c.until { c.units } else { 0 };
+                    out.push((k.clone(), c.lease, units));
+                    c.lease = 0;
+                    c.units = 0;
+                }
+            }
+            s.carry.retain(|c| now < c.until && (c.units > 0 || c.lease != 0));
+        }
+        out
     }
 
     /// Detaches `key`'s balance to return it with the next grant: (lease id, unspent,
@@ -336,7 +390,15 @@ impl Slices {
         }
         let mut held = self.held.lock();
         for k in keys {
-            held.entry(k).or_default().carry.push((until, units));
+            let s = held.entry(k).or_default();
+            if s.lease_id != 0 && s.until == until {
+                // The slice that funded them is the current one.
+                s.units += units;
+            } else if let Some(c) = s.carry.iter_mut().find(|c| c.until == until) {
+                c.units += units;
+            } else {
+                s.carry.push(Carry { until, units, lease: 0 });
+            }
         }
     }
 }
@@ -421,7 +483,10 @@ impl Cluster {
         if self.slices.has(key, cost, now, from) {
             return Ok(());
         }
-        let (lease_id, unspent, demand) = self.slices.detach(key, now);
+        // The old slice's lease stays open (its units carried here, and those agents
+        // give back, until it is settled near its end): a new lease is asked for.
+        let (lease_id, unspent) = (0, 0);
+        let demand = self.slices.retire(key, now);
         let ttl = nanos(self.config.slice_ttl);
         // About half a second of this node's demand (or what an agent's grant
         // needs), at least the waiting request.
@@ -488,9 +553,11 @@ impl Cluster {
         Ok(())
     }
 
-    /// Renews slices that are low or ending and returns idle ones (background).
+    /// Renews slices that are low or ending, returns idle ones, and settles retired
+    /// slices' leases as their ends near (background).
     pub async fn renew_slices(&self) {
         let now = self.clock.now();
+        self.settle_retired(now, SETTLE_LEAD).await;
         for (key, idle) in self.slices.due(now, 2 * PERIOD * 4) {
             let owner = self.owner_of(&owner_name(key.0, "", &key.1));
             let span = crate::trace::span!(
@@ -512,11 +579,46 @@ impl Cluster {
         }
     }
 
-    /// Returns every slice (at drain).
+    /// Returns every slice (at drain), retired ones included.
     pub async fn return_slices(&self) {
+        self.settle_retired(self.clock.now(), Nanos::MAX).await;
         for key in self.slices.all() {
             let owner = self.owner_of(&owner_name(key.0, "", &key.1));
             self.return_slice(&key, &owner).await;
+        }
+    }
+
+    /// Settles with their owners the leases of retired slices ending within `lead`,
+    /// giving back their units left (one call per slice).
+    async fn settle_retired(&self, now: Nanos, lead: Nanos) {
+        let mut by_key: Vec<(SliceKey, Vec<pb::LeaseItem>)> = Vec::new();
+        for (key, lease_id, unspent) in self.slices.settle_due(now, lead) {
+            let item = pb::LeaseItem {
+                route: key.1.to_string(),
+                lease_id,
+                unspent,
+                level: convert::scope(key.0).into(),
+                share_class: key.2.to_string(),
+                ..Default::default()
+            };
+            match by_key.iter_mut().find(|(k, _)| *k == key) {
+                Some((_, items)) => items.push(item),
+                None => by_key.push((key, vec![item])),
+            }
+        }
+        for (key, items) in by_key {
+            let owner = self.owner_of(&owner_name(key.0, "", &key.1));
+            if owner.id == self.me.id {
+                continue;
+            }
+            let req = pb::LeaseRequest {
+                agent_id: format!("node:{}", self.me.id),
+                items,
+                epoch: self.ring.load().epoch,
+            };
+            if let Ok(p) = self.peer(&owner) {
+                let _ = p.lease(req, 1).await;
+            }
         }
     }
 

@@ -63,3 +63,29 @@ fn a_lease_is_lent_only_units_it_can_spend_for_a_while() {
     assert_eq!(s.take_up_to(&[key()], 1, 1, 40, 1_000), Err(Take::Short(key())));
     assert_eq!(s.take_up_to(&[key()], 1, 1, 40, 999), Ok((1, 1_000)));
 }
+
+/// A renewed slice is retired, not settled: what is left of it, and what agents give
+/// back from leases it funded, stays spendable until its end; its lease is settled
+/// with what is left as the end nears (nothing lapses here unreturned), once.
+#[test]
+fn a_retired_slice_is_spent_then_settled_with_what_is_left() {
+    let s = Slices::default();
+    s.install(&key(), 7, 10, 1_000);
+    assert_eq!(s.take_up_to(&[key()], 4, 1, 10, 0), Ok((4, 1_000)));
+    s.funded(50, &[key()], 1_000);
+    s.retire(&key(), 20);
+    s.install(&key(), 8, 5, 2_000);
+    // The retired slice's 6 units and an agent's 3 given back: spent first.
+    s.returned(50, 3, 30);
+    assert!(s.has(&key(), 14, 40, 0));
+    assert_eq!(s.take(&[key()], 2, 40), Take::Taken);
+    assert!(s.settle_due(40, 100).is_empty(), "not yet near its end");
+    assert_eq!(s.settle_due(950, 100), vec![(key(), 7, 7)]);
+    assert!(s.settle_due(960, 100).is_empty(), "settled once");
+    assert!(!s.has(&key(), 6, 960, 0), "no longer spendable here");
+    assert!(s.has(&key(), 5, 960, 0), "the new slice's own");
+    // Drain: every retired lease, whatever its end; one that lapsed here gives back 0.
+    s.retire(&key(), 970);
+    s.install(&key(), 9, 1, 3_000);
+    assert_eq!(s.settle_due(2_500, Nanos::MAX), vec![(key(), 8, 0)]);
+}

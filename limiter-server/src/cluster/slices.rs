@@ -598,14 +598,7 @@ impl Cluster {
     async fn settle_retired(&self, now: Nanos, lead: Nanos) {
         let mut by_key: Vec<(SliceKey, Vec<pb::LeaseItem>)> = Vec::new();
         for (key, lease_id, unspent) in self.slices.settle_due(now, lead) {
-            let item = pb::LeaseItem {
-                route: key.1.to_string(),
-                lease_id,
-                unspent,
-                level: convert::scope(key.0).into(),
-                share_class: key.2.to_string(),
-                ..Default::default()
-            };
+            let item = give_back_item(&key, lease_id, unspent);
             match by_key.iter_mut().find(|(k, _)| *k == key) {
                 Some((_, items)) => items.push(item),
                 None => by_key.push((key, vec![item])),
@@ -613,17 +606,7 @@ impl Cluster {
         }
         for (key, items) in by_key {
             let owner = self.owner_of(&owner_name(key.0, "", &key.1));
-            if owner.id == self.me.id {
-                continue;
-            }
-            let req = pb::LeaseRequest {
-                agent_id: format!("node:{}", self.me.id),
-                items,
-                epoch: self.ring.load().epoch,
-            };
-            if let Ok(p) = self.peer(&owner) {
-                let _ = p.lease(req, 1).await;
-            }
+            self.give_back_to(&owner, items).await;
         }
     }
 
@@ -631,25 +614,37 @@ impl Cluster {
         let lock = self.slices.fill_lock(key);
         let _one = lock.lock().await;
         let (lease_id, unspent, _) = self.slices.detach(key, self.clock.now());
-        if lease_id == 0 || owner.id == self.me.id {
+        if lease_id != 0 {
+            self.give_back_to(owner, vec![give_back_item(key, lease_id, unspent)]).await;
+        }
+    }
+
+    /// Sends `items` (slices given back) to their owner, unless that is this node;
+    /// a failure leaves the leases to lapse there.
+    async fn give_back_to(&self, owner: &Member, items: Vec<pb::LeaseItem>) {
+        if owner.id == self.me.id {
             return;
         }
-        let item = pb::LeaseItem {
-            route: key.1.to_string(),
-            lease_id,
-            unspent,
-            level: convert::scope(key.0).into(),
-            share_class: key.2.to_string(),
-            ..Default::default()
-        };
         let req = pb::LeaseRequest {
             agent_id: format!("node:{}", self.me.id),
-            items: vec![item],
+            items,
             epoch: self.ring.load().epoch,
         };
         if let Ok(p) = self.peer(owner) {
             let _ = p.lease(req, 1).await;
         }
+    }
+}
+
+/// The item that settles slice `key`'s lease `lease_id`, giving back `unspent`.
+fn give_back_item(key: &SliceKey, lease_id: u64, unspent: u64) -> pb::LeaseItem {
+    pb::LeaseItem {
+        route: key.1.to_string(),
+        lease_id,
+        unspent,
+        level: convert::scope(key.0).into(),
+        share_class: key.2.to_string(),
+        ..Default::default()
     }
 }
 

@@ -214,8 +214,9 @@ pub struct PermitHandle {
 impl PermitHandle {
     /// A permit of `cost` from the pool (and `cost` units of the key's balance when
     /// its chain has other levels), or `None` when the owner is needed. No
-    /// allocation, no reference count: one clock read, one CAS to take, one
-    /// subtraction to give back.
+    /// allocation, no reference count: one clock read, one CAS to take, an add to
+    /// count the decision (in the pool, beside what the CAS wrote), one subtraction
+    /// to give back.
     #[inline]
     pub fn try_acquire(&self, cost: u64) -> Option<HandlePermit<'_>> {
         let pool = self.slot.pool.get()?;

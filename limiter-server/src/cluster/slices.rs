@@ -49,6 +49,11 @@ const MARGIN: Margin = Margin::permille(20);
 /// the settle reaches the owner before the lease lapses there).
 const SETTLE_LEAD: Nanos = 200 * 1_000_000;
 
+/// An agent's lease funded by a slice ends this long before the slice (its settle
+/// lead and a renewal tick): the agent renews it, giving back what is left, before
+/// the slice is settled with its owner, so that nothing it gives back lapses here.
+pub const LEND_LEAD: Nanos = SETTLE_LEAD + 100 * 1_000_000;
+
 /// A refusal is remembered at most this long.
 const DENIED_FOR: Nanos = 20 * 1_000_000;
 

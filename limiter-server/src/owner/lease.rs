@@ -574,14 +574,16 @@ impl Owner {
         let Some(size) = renewal.size(chain, self.store().remaining(chain, now).await?) else {
             return Ok((Leased::Direct, Nanos::MAX));
         };
-        // A lease is lent only units it can spend for a quarter of its hold at least.
-        let lend_until = now.saturating_add(ask.hold / 4);
+        // A lease is lent only units it can spend for a quarter of its hold at least,
+        // and ends `LEND_LEAD` before the slices that fund it.
+        let lend_lead = crate::cluster::slices::LEND_LEAD;
+        let lend_until = now.saturating_add(ask.hold / 4).saturating_add(lend_lead);
         let Some((from_slices, until)) =
             self.take_slices(cluster, full, slices, size, ask.cost, lend_until).await?
         else {
             return Ok((Leased::Short, Nanos::MAX));
         };
-        let hold = ask.hold.min(until.saturating_sub(now));
+        let hold = ask.hold.min(until.saturating_sub(lend_lead).saturating_sub(now));
         let g = self.store().grant(chain, now, from_slices, hold).await?;
         cluster.slices().give_back(&slices.keys, from_slices - g.units.min(from_slices), now);
         if !renewal.covers(g.units) {

@@ -17,7 +17,8 @@
 //!   of the ceiling in `cluster_ceiling` against 0.987-0.998).
 //! - A slice is spendable until `sent + hold x (1 - margin)` on this node's clock;
 //!   the owner writes it off only at `granted + hold`, so this node always stops
-//!   first. Agent leases granted from a slice never outlive it.
+//!   first. Agent leases granted from a slice end `LEND_LEAD` before it, so that
+//!   what agents give back reaches this node before the slice is settled.
 //! - When the owner refuses (the level is exhausted), the refusal (reason, scope,
 //!   wait) is remembered for at most a few milliseconds, so a burst of requests does
 //!   not turn into a burst of calls.

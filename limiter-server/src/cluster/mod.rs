@@ -271,6 +271,11 @@ impl Cluster {
         &self.slices
     }
 
+    /// How long a slice of a root key is asked for (`cluster.slice_ttl_ms`).
+    pub fn slice_ttl(&self) -> Nanos {
+        nanos(self.config.slice_ttl)
+    }
+
     /// The client of `member`.
     ///
     /// # Errors

@@ -575,9 +575,11 @@ impl Owner {
             return Ok((Leased::Direct, Nanos::MAX));
         };
         // A lease is lent only units it can spend for a quarter of its hold at least,
-        // and ends `LEND_LEAD` before the slices that fund it.
-        let lend_lead = crate::cluster::slices::LEND_LEAD;
-        let lend_until = now.saturating_add(ask.hold / 4).saturating_add(lend_lead);
+        // and ends `LEND_LEAD` before the slices that fund it; each at most a quarter
+        // of a slice's TTL, so that a fresh slice can always lend.
+        let quarter = cluster.slice_ttl() / 4;
+        let lend_lead = crate::cluster::slices::LEND_LEAD.min(quarter);
+        let lend_until = now.saturating_add((ask.hold / 4).min(quarter)).saturating_add(lend_lead);
         let Some((from_slices, until)) =
             self.take_slices(cluster, full, slices, size, ask.cost, lend_until).await?
         else {

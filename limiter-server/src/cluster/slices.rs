@@ -98,6 +98,14 @@ struct Carry {
     lease: u64,
 }
 
+impl Carry {
+    /// Whether it is still worth keeping at `now`: spendable, with units left or a
+    /// lease still to settle.
+    fn kept(&self, now: Nanos) -> bool {
+        now < self.until && (self.units > 0 || self.lease != 0)
+    }
+}
+
 impl Slice {
     fn live(&self, now: Nanos) -> bool {
         self.lease_id != 0 && now < self.until
@@ -111,7 +119,7 @@ impl Slice {
     /// Units spendable now and still at `from` (an agent's lease is lent only what
     /// it can spend for a while): the balance and what was carried over.
     fn available_until(&mut self, now: Nanos, from: Nanos) -> u64 {
-        self.carry.retain(|c| now < c.until && (c.units > 0 || c.lease != 0));
+        self.carry.retain(|c| c.kept(now));
         let own = if self.live(now) && self.until > from { self.units } else { 0 };
         own + self.carry.iter().filter(|c| c.until > from).map(|c| c.units).sum::<u64>()
     }
@@ -307,7 +315,7 @@ impl Slices {
                     c.units = 0;
                 }
             }
-            s.carry.retain(|c| now < c.until && (c.units > 0 || c.lease != 0));
+            s.carry.retain(|c| c.kept(now));
         }
         out
     }

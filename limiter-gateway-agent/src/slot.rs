@@ -11,7 +11,7 @@
 //! depends on tokio, which cannot be built under `--cfg loom` as a dependency.
 
 use limiter_core::clock::Nanos;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 
 /// The outcome of a local spend.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -27,7 +27,7 @@ pub enum Spend {
     Miss,
 }
 
-/// The atomic part of a key's lease: 48 bytes in this order. Not aligned to a cache
+/// The atomic part of a key's lease: 40 bytes in this order. Not aligned to a cache
 /// line: the padding cost 40 bytes a key (a slot of 256 bytes against 216), and the
 /// lease-hit bench cannot tell the aligned from the unaligned one. Local decisions
 /// are counted by the caller (in the key's shard of the map, whose line a hit has
@@ -41,22 +41,69 @@ pub struct Balance {
     /// serve requests while its renewal is out; spent first, until `spare_deadline`.
     spare: AtomicU64,
     spare_deadline: AtomicU64,
-    last_used: AtomicU64,
-    /// The low-water mark (below `RENEW_WANTED`) and two flags: a renewal was asked
-    /// for since the grant was installed (`RENEW_WANTED`), and the key's chain has a
-    /// concurrency level held in a local pool, so that its requests need a permit
-    /// too (`PERMITS`, kept here, on the line the hot path reads anyway).
-    word: AtomicU64,
+    /// When a spend or a request last touched the key, in ticks of `2^TICK_SHIFT`
+    /// nanoseconds (about a millisecond), wrapping (every 52 days: a key is forgotten
+    /// long before it could be idle that long): an idleness hint.
+    last_used: AtomicU32,
+    /// The low-water mark (`LOW_WATER` bits, `Mark`) and two flags: a renewal was
+    /// asked for since the grant was installed (`RENEW_WANTED`), and the key's chain
+    /// has a concurrency level held in a local pool, so that its requests need a
+    /// permit too (`PERMITS`, kept here, on the line the hot path reads anyway).
+    word: AtomicU32,
 }
 
 /// `Balance::word`'s flag: a renewal was asked for since the grant was installed.
-const RENEW_WANTED: u64 = 1 << 62;
+const RENEW_WANTED: u32 = 1 << 30;
 /// `Balance::word`'s flag: the key's requests need a permit too.
-const PERMITS: u64 = 1 << 63;
+const PERMITS: u32 = 1 << 31;
 /// `Balance::word`'s low-water mark.
-const LOW_WATER: u64 = RENEW_WANTED - 1;
+const LOW_WATER: u32 = RENEW_WANTED - 1;
+
+/// `Balance::last_used`'s tick: 2^20 ns, about a millisecond.
+const TICK_SHIFT: u32 = 20;
+
+/// A low-water mark in 30 bits: a 25-bit mantissa and a 5-bit shift, rounded down
+/// (exact below 2^25 units; above, within 3 parts in 100 million: a mark asks for a
+/// renewal, its last digits do not matter).
+struct Mark;
+
+impl Mark {
+    const MANTISSA: u32 = 25;
+
+    fn encode(units: u64) -> u32 {
+        let bits = u64::BITS - units.leading_zeros();
+        let shift = bits.saturating_sub(Self::MANTISSA).min(31);
+        let mantissa = (units >> shift).min((1 << Self::MANTISSA) - 1);
+        // Under 2^25 and 32: exact casts.
+        #[allow(clippy::cast_possible_truncation)]
+        let word = (shift << Self::MANTISSA) | mantissa as u32;
+        word
+    }
+
+    #[inline]
+    fn decode(word: u32) -> u64 {
+        let word = word & LOW_WATER;
+        u64::from(word & ((1 << Self::MANTISSA) - 1)) << (word >> Self::MANTISSA)
+    }
+}
+
+/// `now` in `Balance::last_used`'s ticks (the low 32 bits: it wraps).
+#[inline]
+fn tick(now: Nanos) -> u32 {
+    // Wrapping on purpose: ages are told by wrapping differences.
+    #[allow(clippy::cast_possible_truncation)]
+    let t = (now >> TICK_SHIFT) as u32;
+    t
+}
 
 impl Balance {
+    /// A balance holding nothing, last used at `now`.
+    pub fn new(now: Nanos) -> Self {
+        let b = Self::default();
+        b.last_used.store(tick(now), Ordering::Relaxed);
+        b
+    }
+
     /// Spends `cost` if the grant is still spendable at `now` and holds enough.
     #[inline]
     pub fn try_spend(&self, now: Nanos, cost: u64) -> Spend {
@@ -92,7 +139,7 @@ impl Balance {
         }
         self.count(now);
         let remaining = b - cost;
-        let renew = remaining < self.word.load(Ordering::Relaxed) & LOW_WATER
+        let renew = remaining < Mark::decode(self.word.load(Ordering::Relaxed))
             && self.word.fetch_or(RENEW_WANTED, Ordering::Relaxed) & RENEW_WANTED == 0;
         Spend::Hit { remaining, renew }
     }
@@ -122,7 +169,7 @@ impl Balance {
     fn count(&self, now: Nanos) {
         // Relaxed, and a plain store: an idleness hint, on the cache line the CAS
         // already owns.
-        self.last_used.store(now, Ordering::Relaxed);
+        self.last_used.store(tick(now), Ordering::Relaxed);
     }
 
     /// Spends `cost` from the spare units, if they are still spendable and enough:
@@ -178,7 +225,7 @@ impl Balance {
     pub fn install(&self, units: u64, deadline: Nanos, low_water: u64) {
         // The mark, the renewal not asked for, the permit flag as it was.
         let _ = self.word.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |w| {
-            Some((w & PERMITS) | low_water.min(LOW_WATER))
+            Some((w & PERMITS) | Mark::encode(low_water))
         });
         // Deadline first: a spender that sees the new balance sees this deadline too.
         self.deadline.store(deadline, Ordering::Release);
@@ -196,14 +243,30 @@ impl Balance {
         self.spare.store(0, Ordering::Release);
     }
 
-    /// The last time a spend or a request touched this key.
-    pub fn last_used(&self) -> Nanos {
-        self.last_used.load(Ordering::Relaxed)
+    /// How long before `now` a spend or a request last touched this key (to the tick
+    /// below: up to a millisecond more than it was).
+    pub fn idle_for(&self, now: Nanos) -> Nanos {
+        let ticks = tick(now).wrapping_sub(self.last_used.load(Ordering::Relaxed));
+        // A touch after `now` (another thread's clock read later) is no idleness.
+        if ticks > u32::MAX / 2 {
+            return 0;
+        }
+        (u64::from(ticks) << TICK_SHIFT) + (now & ((1 << TICK_SHIFT) - 1))
     }
 
-    /// Records a use that did not spend locally (the slow path).
+    /// When a spend or a request last touched this key, as seen at `now` (to the
+    /// tick below).
+    pub fn last_used(&self, now: Nanos) -> Nanos {
+        now.saturating_sub(self.idle_for(now))
+    }
+
+    /// Records a use that did not spend locally (the slow path): never moves the
+    /// mark back (a spend's later clock read may have stored a later tick).
     pub fn touch(&self, now: Nanos) {
-        self.last_used.fetch_max(now, Ordering::Relaxed);
+        let t = tick(now);
+        let _ = self.last_used.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |old| {
+            (t.wrapping_sub(old) < u32::MAX / 2).then_some(t)
+        });
     }
 
     /// Units now held (the grant's and the spare ones).
@@ -249,7 +312,39 @@ mod tests {
         assert_eq!(b.try_spend(1, 1), Spend::Hit { remaining: 8, renew: false });
         b.set_needs_permit(false);
         assert!(!b.needs_permit());
-        assert_eq!(std::mem::size_of::<Balance>(), 48);
+        assert_eq!(std::mem::size_of::<Balance>(), 40);
+    }
+
+    /// Marks are exact below 2^25 units and rounded down within 2^-24 above; the
+    /// largest saturate.
+    #[test]
+    fn low_water_marks_keep_their_size() {
+        for units in [0, 1, 2, 1000, (1 << 25) - 1] {
+            assert_eq!(Mark::decode(Mark::encode(units)), units);
+        }
+        for units in [1 << 25, (1 << 25) + 1, 123_456_789_012, 1 << 50, u64::MAX >> 8] {
+            let back = Mark::decode(Mark::encode(units));
+            assert!(back <= units && units - back <= units >> 24, "{units}: {back}");
+        }
+        assert!(Mark::decode(Mark::encode(u64::MAX)) >= 1 << 55);
+        assert_eq!(Mark::encode(u64::MAX) & !LOW_WATER, 0, "the flags stay clear");
+    }
+
+    /// Idleness is told to the tick across the counter's wrap, and a touch never
+    /// moves the last use back.
+    #[test]
+    fn idleness_is_told_across_the_ticks_wrap() {
+        let tick = 1u64 << TICK_SHIFT;
+        let start = (u64::from(u32::MAX) - 2) * tick;
+        let b = Balance::new(start);
+        assert_eq!(b.idle_for(start), 0);
+        assert_eq!(b.idle_for(start + 10 * tick), 10 * tick);
+        b.install(5, u64::MAX, 0);
+        assert!(matches!(b.try_spend(start + 5 * tick, 1), Spend::Hit { .. }));
+        assert_eq!(b.idle_for(start + 10 * tick), 5 * tick, "a spend past the wrap");
+        b.touch(start + 4 * tick);
+        assert_eq!(b.last_used(start + 10 * tick), start + 5 * tick, "not moved back");
+        assert_eq!(b.idle_for(start), 0, "a use after the clock read");
     }
 
     #[test]

@@ -374,7 +374,7 @@ impl Agent {
         let mut guards = Vec::new();
         for slot in &slots {
             self.inner.give_back_blocks(slot).await;
-            let mut g = slot.lease().await;
+            let mut g = self.inner.slots.lease(slot).await;
             items.extend(self.inner.give_back(slot, &mut g));
             guards.push(g);
         }

@@ -353,7 +353,7 @@ impl Inner {
     /// When the renewer is to look at a key next, as it stands at `now`.
     pub(super) fn next_due(&self, slot: &Slot, st: &LeaseState, now: Nanos) -> When {
         let idle_after = nanos(self.config.idle_after);
-        let idle_at = slot.balance.last_used().max(now.saturating_sub(idle_after)) + idle_after;
+        let idle_at = slot.balance.last_used(now).max(now.saturating_sub(idle_after)) + idle_after;
         // Rationed (the owner cut its share, perhaps to nothing): asked again every
         // round while used.
         if st.denied.is_some() && st.cut && idle_at > now {
@@ -366,7 +366,7 @@ impl Inner {
             return When::by((now + self.rationed_every()).min(idle_at));
         }
         if st.lease_id == 0 {
-            return When::by(slot.balance.last_used() + FORGET_AFTER_IDLE * idle_after + 1);
+            return When::by(slot.balance.last_used(now) + FORGET_AFTER_IDLE * idle_after + 1);
         }
         if st.denied.is_some() {
             return When::by((now + self.rationed_every()).min(idle_at).max(now + 1));
@@ -470,9 +470,9 @@ impl Inner {
     pub(super) async fn slow(&self, slot: &Arc<Slot>, cost: u64) -> Result<Outcome, AgentError> {
         // A request that waits here for another's owner call (a renewal out with the
         // balance spent) is not decided locally, whatever the call brings.
-        let (mut st, waited) = match slot.try_lease() {
+        let (mut st, waited) = match self.slots.try_lease(slot) {
             Some(st) => (st, false),
-            None => (slot.lease().await, true),
+            None => (self.slots.lease(slot).await, true),
         };
         let now = self.clock.now();
         slot.balance.touch(now);

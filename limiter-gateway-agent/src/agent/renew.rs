@@ -111,12 +111,12 @@ pub(super) async fn renew_due(inner: &Inner) -> Option<Nanos> {
     // the replaced lease that item settles (kept if the call fails).
     let mut work = Vec::new();
     for slot in &slots {
-        let Some(mut st) = slot.try_lease() else {
+        let Some(mut st) = inner.slots.try_lease(slot) else {
             // Its own call is out: looked at again next round.
             inner.schedule.at(slot, When::by(now + interval));
             continue;
         };
-        let unused = now.saturating_sub(slot.balance.last_used());
+        let unused = slot.balance.idle_for(now);
         // A rationed key holding nothing (its last share was none) asks again while
         // used.
         let rationed = st.cut && st.denied.is_some() && unused <= idle_after;
@@ -201,10 +201,10 @@ pub(super) async fn renew_due(inner: &Inner) -> Option<Nanos> {
 /// Drops the slow-path state of a key that gave its lease back and is idle at `now`
 /// (holding nothing, refused nothing): an idle key costs its slot alone until it is
 /// used again (a new state then, its first grant sized like a new key's) or forgotten.
-fn shed_if_idle(inner: &Inner, slot: &Slot, now: Nanos) {
+fn shed_if_idle(inner: &Inner, slot: &Arc<Slot>, now: Nanos) {
     let idle_after = nanos(inner.config.idle_after);
-    if now.saturating_sub(slot.balance.last_used()) > idle_after && slot.balance.units() == 0 {
-        slot.shed(|st| st.lease_id == 0 && st.denied.is_none());
+    if slot.balance.idle_for(now) > idle_after && slot.balance.units() == 0 {
+        inner.slots.shed(slot, |st| st.lease_id == 0 && st.denied.is_none());
     }
 }
 

@@ -195,9 +195,6 @@ pub(super) struct Slot {
     /// When the renewer is to look at the key next (the schedule's entry that counts,
     /// its time and flag packed; 0: none).
     pub(super) due: AtomicU64,
-    /// The slow-path state, made on first use and dropped once the key holds nothing
-    /// and is idle (`shed`): an idle key does not carry it.
-    lease: parking_lot::Mutex<Option<Arc<LeaseCell>>>,
     /// The permits of the chain's concurrency levels held here (once the owner said
     /// the chain has some): one pointer, 8 bytes (a `OnceLock` takes 16).
     pub(super) pool: once_cell::race::OnceBox<super::permits::Pool>,
@@ -206,49 +203,17 @@ pub(super) struct Slot {
 impl Slot {
     /// A key seen at `now` for the first time: nothing held, nothing known.
     pub(super) fn new(tenant: &str, route: &str, key: &str, now: Nanos) -> Self {
-        let slot = Self {
+        Self {
             key: SlotKey::new(tenant, route, key),
-            balance: Balance::default(),
+            balance: Balance::new(now),
             due: AtomicU64::new(0),
-            lease: parking_lot::Mutex::default(),
             pool: once_cell::race::OnceBox::new(),
-        };
-        slot.balance.touch(now);
-        slot
+        }
     }
 
     /// Local decisions taken through a permit handle (counted in the key's pool).
     fn handle_hits(&self) -> u64 {
         self.pool.get().map_or(0, |p| p.handle_hits.load(Ordering::Relaxed))
-    }
-
-    /// The key's slow-path state, made if it has none.
-    fn cell(&self) -> Arc<LeaseCell> {
-        self.lease.lock().get_or_insert_with(Arc::default).clone()
-    }
-
-    /// The key's slow-path state, once no one else holds it (one owner call per key
-    /// at a time).
-    pub(super) async fn lease(&self) -> LeaseGuard {
-        self.cell().lock_owned().await
-    }
-
-    /// The key's slow-path state, if no one else holds it.
-    pub(super) fn try_lease(&self) -> Option<LeaseGuard> {
-        self.cell().try_lock_owned().ok()
-    }
-
-    /// Drops the key's slow-path state if `idle` says it holds nothing worth keeping
-    /// and no one else has it (a request about to use it has a reference, and the
-    /// state stays).
-    pub(super) fn shed(&self, idle: impl FnOnce(&LeaseState) -> bool) {
-        let mut cell = self.lease.lock();
-        if cell
-            .as_ref()
-            .is_some_and(|c| Arc::strong_count(c) == 1 && c.try_lock().is_ok_and(|st| idle(&st)))
-        {
-            *cell = None;
-        }
     }
 }
 
@@ -259,6 +224,18 @@ pub(super) type LeaseCell = tokio::sync::Mutex<LeaseState>;
 pub(super) type LeaseGuard = tokio::sync::OwnedMutexGuard<LeaseState>;
 
 pub(super) type SlotMap = hashbrown::HashTable<Arc<Slot>>;
+
+/// The slow-path states of a shard's keys that have one, by slot: beside the map
+/// rather than in each slot (16 bytes a key that idle keys, most of them, do not use).
+type CellMap = hashbrown::HashTable<(Arc<Slot>, Arc<LeaseCell>)>;
+
+/// A slot's place in its shard's `CellMap`: its address, mixed (an entry holds the
+/// slot, so the address is not reused while the entry is there).
+#[inline]
+fn cell_hash(slot: &Arc<Slot>) -> u64 {
+    let h = (Arc::as_ptr(slot) as usize as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    h ^ (h >> 29)
+}
 
 /// Shards of the key map, each behind a reader-writer lock on its own cache lines: a
 /// lookup takes one shard's read lock (two uncontended atomic operations); a new key
@@ -271,6 +248,9 @@ pub(super) const SHARDS: usize = 128;
 #[derive(Default)]
 struct Shard {
     map: RwLock<SlotMap>,
+    /// The slow-path states of the shard's keys that have one (locked after `map`
+    /// when both are).
+    cells: parking_lot::Mutex<CellMap>,
     /// Local decisions of the shard's keys, forgotten ones included: counted here,
     /// on the line the lookup's read lock has just written, rather than in each
     /// key's slot (8 bytes a key).
@@ -341,6 +321,52 @@ impl Slots {
         self.shards[Self::shard_of(hash)].hits.fetch_add(1, Ordering::Relaxed);
     }
 
+    /// The key's slow-path state, made if it has none. A slot no longer in the map
+    /// (forgotten while a request held it) gets a state of its own, kept by none.
+    fn cell(&self, slot: &Arc<Slot>) -> Arc<LeaseCell> {
+        let hash = self.hash(&slot.key.as_ref());
+        let shard = &self.shards[Self::shard_of(hash)];
+        let map = shard.map.read();
+        let at = cell_hash(slot);
+        let mut cells = shard.cells.lock();
+        if let Some((_, c)) = cells.find(at, |(s, _)| Arc::ptr_eq(s, slot)) {
+            return c.clone();
+        }
+        let cell = Arc::<LeaseCell>::default();
+        if map.find(hash, |s| Arc::ptr_eq(s, slot)).is_some() {
+            cells.insert_unique(at, (slot.clone(), cell.clone()), |(s, _)| cell_hash(s));
+        }
+        cell
+    }
+
+    /// The key's slow-path state, once no one else holds it (one owner call per key
+    /// at a time).
+    pub(super) async fn lease(&self, slot: &Arc<Slot>) -> LeaseGuard {
+        self.cell(slot).lock_owned().await
+    }
+
+    /// The key's slow-path state, if no one else holds it.
+    pub(super) fn try_lease(&self, slot: &Arc<Slot>) -> Option<LeaseGuard> {
+        self.cell(slot).try_lock_owned().ok()
+    }
+
+    /// Drops the key's slow-path state if `idle` says it holds nothing worth keeping
+    /// and no one else has it (a request about to use it has a reference, and the
+    /// state stays).
+    pub(super) fn shed(&self, slot: &Arc<Slot>, idle: impl FnOnce(&LeaseState) -> bool) {
+        let shard = &self.shards[Self::shard_of(self.hash(&slot.key.as_ref()))];
+        let mut cells = shard.cells.lock();
+        if let Ok(e) = cells.find_entry(cell_hash(slot), |(s, _)| Arc::ptr_eq(s, slot)) {
+            let c = &e.get().1;
+            if Arc::strong_count(c) == 1 && c.try_lock().is_ok_and(|st| idle(&st)) {
+                e.remove();
+            }
+        }
+        if cells.capacity() > 64 && cells.len() < cells.capacity() / 4 {
+            cells.shrink_to_fit(|(s, _)| cell_hash(s));
+        }
+    }
+
     pub(super) fn get_or_insert(&self, r: &SlotRef<'_>, make: impl FnOnce() -> Slot) -> Arc<Slot> {
         let hash = self.hash(r);
         let shard = self.shard(hash);
@@ -375,7 +401,7 @@ impl Slots {
     pub(super) fn counts(&self) -> (usize, usize) {
         self.shards.iter().fold((0, 0), |(n, with), s| {
             let map = s.map.read();
-            (n + map.len(), with + map.iter().filter(|x| x.lease.lock().is_some()).count())
+            (n + map.len(), with + s.cells.lock().len())
         })
     }
 
@@ -390,16 +416,19 @@ impl Slots {
             .sum()
     }
 
-    /// Forgets `slots`; a shard they leave mostly empty is shrunk (only the shards
-    /// they were in are locked).
+    /// Forgets `slots` (and their slow-path states); a shard they leave mostly empty
+    /// is shrunk (only the shards they were in are locked).
     pub(super) fn remove(&self, slots: &[Arc<Slot>]) {
         for s in slots {
             let hash = self.hash(&s.key.as_ref());
-            let mut map = self.shard(hash).write();
+            let shard = &self.shards[Self::shard_of(hash)];
+            let mut map = shard.map.write();
             if let Ok(e) = map.find_entry(hash, |x| Arc::ptr_eq(x, s)) {
                 e.remove();
-                let shard = &self.shards[Self::shard_of(hash)];
                 shard.hits.fetch_add(s.handle_hits(), Ordering::Relaxed);
+            }
+            if let Ok(e) = shard.cells.lock().find_entry(cell_hash(s), |(x, _)| Arc::ptr_eq(x, s)) {
+                e.remove();
             }
             if map.capacity() > 64 && map.len() < map.capacity() / 4 {
                 map.shrink_to_fit(|x| self.hash(&x.key.as_ref()));
@@ -438,7 +467,7 @@ mod tests {
     }
 
     /// Names of up to 28 bytes are kept in place, longer ones boxed; both give
-    /// their parts back, and a slot is 112 bytes either way.
+    /// their parts back, and a slot is 88 bytes either way.
     #[test]
     fn short_names_are_kept_in_place_and_long_ones_boxed() {
         for (t, r, k) in
@@ -454,6 +483,6 @@ mod tests {
         assert_eq!(long.parts(), ("tenant", "/route", "key-00000000000000"));
         assert_ne!(long, SlotKey::new("tenant", "/route", "key-00000000000001"));
         assert_eq!(std::mem::size_of::<SlotKey>(), 32);
-        assert_eq!(std::mem::size_of::<Slot>(), 112);
+        assert_eq!(std::mem::size_of::<Slot>(), 88);
     }
 }

@@ -216,6 +216,8 @@ async fn fleet(weight: fn(usize, bool) -> f64) {
     let warm = start + WARM_UP.as_nanos() as u64;
     let mut levels: HashMap<usize, Level> = HashMap::new();
     let (mut ideal, mut got) = (0u64, 0u64);
+    // Use before the swing and after it, apart: (the reference's, the fleet's).
+    let mut use_by_phase = [(0u64, 0u64); 2];
     let mut by_bucket = vec![(0u64, 0u64); BUCKETS];
     let mut admitted = [[0u64; 2]; ENVOYS];
     // After the swing, by the size of the bucket: (offered, admitted) per Envoy.
@@ -230,6 +232,9 @@ async fn fleet(weight: fn(usize, bool) -> f64) {
         if at >= warm {
             ideal += u64::from(fits);
             got += u64::from(ok);
+            let p = usize::from(at >= start + SWING_AT.as_nanos() as u64);
+            use_by_phase[p].0 += u64::from(fits);
+            use_by_phase[p].1 += u64::from(ok);
             by_bucket[b].0 += u64::from(fits);
             by_bucket[b].1 += u64::from(ok);
         }
@@ -257,6 +262,13 @@ async fn fleet(weight: fn(usize, bool) -> f64) {
          over the limits {over}; token buckets created {created}; reports {reports}, streams {streams}",
         arrivals.len(),
         used * 100.0
+    );
+    let pct = |(i, g): (u64, u64)| g as f64 * 100.0 / i.max(1) as f64;
+    let _ = writeln!(
+        report,
+        "use from the warm-up to the swing {:.1}%, from the swing on {:.1}%",
+        pct(use_by_phase[0]),
+        pct(use_by_phase[1])
     );
     let per: Vec<String> = by_bucket
         .iter()

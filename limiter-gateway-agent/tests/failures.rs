@@ -48,11 +48,32 @@ async fn a_dropped_agents_lease_is_written_off_and_never_granted_twice() {
     // refusal its renewer was given during the wait (the bucket empty then) must not
     // stand for the budget refilled since. 10 refilled before, 3 more meanwhile.
     let mut again = 0;
+    // Each answer, for the message if this fails: admitted or refused (upper case),
+    // by the agent's balance (L), the owner (O), a grant for the request (G) or the
+    // failure policy (F), with its retry-after in milliseconds when refused.
+    let mut answers = String::new();
     for _ in 0..20 {
-        again += u64::from(other.decide(&req("t", "/r")).await.unwrap().allowed);
+        let o = other.decide(&req("t", "/r")).await.unwrap();
+        again += u64::from(o.allowed);
+        let c = match o.source {
+            Source::Local => 'l',
+            Source::Owner => 'o',
+            Source::Granted => 'g',
+            Source::Fallback => 'f',
+        };
+        answers.push(if o.allowed { c.to_ascii_uppercase() } else { c });
+        if !o.allowed {
+            answers.push_str(&format!("{} ", o.retry_after / 1_000_000));
+        }
         tokio::time::sleep(Duration::from_millis(15)).await;
     }
-    assert!(again >= 13, "the survivor gets budget back as the bucket refills: {again}");
+    let totals = owner.server.leases().totals();
+    assert!(
+        again >= 13,
+        "the survivor gets budget back as the bucket refills: {again} ({answers}); before: \
+         {after:?}, after: {totals:?}; survivor {:?}",
+        other.stats()
+    );
     println!(
         "dropped agent: spent {spent}, {} units out when it was dropped, {} written off by the lease's end ({} returned); survivor admitted {burst} during the lease, {again} after",
         held.outstanding, after.written_off, after.returned

@@ -152,11 +152,18 @@ pub(super) async fn renew_due(inner: &Inner) -> Option<Nanos> {
             // spare units (settled as spent), the rest go back with the renewal.
             // What the key spends in the call's time, rounded down: a slow key keeps
             // none (a unit it kept and did not spend would be lost, settled as spent),
-            // and its rare request while the call is out waits for the answer.
+            // and its rare request while the call is out waits for the answer. Nor
+            // does a key unused for a round's interval: its estimate falls by at most
+            // half an update, so after a burst (refusals count) it would set aside
+            // every unit each renewal granted while it sat idle, and lose them.
             let rtt = inner.rtt.load(Ordering::Relaxed);
             let span = u128::from(4 * rtt + 2_000_000);
-            let reserve = u128::from(demand) * span / u128::from(NANOS_PER_SEC);
-            let reserve = u64::try_from(reserve).unwrap_or(u64::MAX);
+            let reserve = if unused > interval {
+                0
+            } else {
+                let r = u128::from(demand) * span / u128::from(NANOS_PER_SEC);
+                u64::try_from(r).unwrap_or(u64::MAX)
+            };
             let unspent = slot.balance.set_aside(now, reserve);
             st.counted = slot.balance.units();
             (std::mem::take(&mut st.lease_id), unspent)

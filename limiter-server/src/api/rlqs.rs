@@ -449,6 +449,9 @@ struct Bucket {
     /// The last measure if it was neither a swing nor a shift: its requests, its
     /// seconds and the estimate before it.
     last: (u64, f64, f64),
+    /// The last measure was a swing or a shift (its own or the stream's): the next
+    /// is taken whole.
+    settling: bool,
 }
 
 impl Bucket {
@@ -473,11 +476,17 @@ impl Bucket {
             // request over a few milliseconds is no rate); counted on.
             return;
         }
+        // The measure after a swing or a shift is taken whole as well: the swing
+        // fell somewhere inside the span that showed it, so that span's rate was part
+        // old demand and part new, and smoothing from it took the new demand rounds
+        // to reach (a count off by less than a swing then moves a quarter a round).
+        let after_swing = std::mem::take(&mut self.settling);
         if let Some(r) = stream
             && !swings(self.counted as f64, self.demand * secs)
         {
             self.demand *= r;
             self.swung = true;
+            self.settling = true;
             self.last = (0, 0.0, 0.0);
         }
         let latest = self.counted as f64 / secs;
@@ -501,7 +510,7 @@ impl Bucket {
             && (was_counted as f64 - was_demand * was_secs) * by > 0.0
             && off(both, was_demand * (was_secs + secs)).abs() > SHIFT_EVIDENCE;
         let before = self.demand;
-        self.demand = if (self.sent.is_none() && self.demand == 0.0) || swing {
+        self.demand = if (self.sent.is_none() && self.demand == 0.0) || swing || after_swing {
             latest
         } else if shift {
             // Both measures, over both spans.
@@ -510,7 +519,12 @@ impl Bucket {
             DEMAND_WEIGHT * latest + (1.0 - DEMAND_WEIGHT) * self.demand
         };
         self.swung |= swing || shift;
-        self.last = if swing || shift { (0, 0.0, 0.0) } else { (self.counted, secs, before) };
+        self.settling = swing || shift;
+        self.last = if swing || shift || after_swing {
+            (0, 0.0, 0.0)
+        } else {
+            (self.counted, secs, before)
+        };
         self.counted = 0;
         self.since = upto;
     }
@@ -1094,6 +1108,7 @@ impl Session {
             credited_at: now,
             swung: false,
             last: (0, 0.0, 0.0),
+            settling: false,
         })
     }
 
@@ -1347,6 +1362,7 @@ mod tests {
             credited_at: 0,
             swung: false,
             last: (0, 0.0, 0.0),
+            settling: false,
         }
     }
 
@@ -1448,6 +1464,29 @@ mod tests {
             b.measure(None);
         }
         assert!(!b.swung && (b.demand - 60.0).abs() < 8.0, "{}", b.demand);
+    }
+
+    /// A swing seen in a span it fell inside of is taken as measured (part old
+    /// demand, part new); the next measure is taken whole rather than smoothed.
+    #[test]
+    fn the_measure_after_a_swing_is_taken_whole() {
+        // 10 a second, then 25 in half a second where it rose to 80 part way
+        // through (5 expected): a swing, to 50; then the whole new rate, 40 in half
+        // a second, which is no swing from 50 but is taken as it is.
+        let mut b = bucket(10.0);
+        b.counted = 25;
+        b.reported = NANOS_PER_SEC / 2;
+        b.measure(None);
+        assert!((b.demand - 50.0).abs() < 1e-9, "{}", b.demand);
+        b.counted = 40;
+        b.reported = NANOS_PER_SEC;
+        b.measure(None);
+        assert!((b.demand - 80.0).abs() < 1e-9, "{}", b.demand);
+        // After that, noise is smoothed again.
+        b.counted = 42;
+        b.reported = 3 * NANOS_PER_SEC / 2;
+        b.measure(None);
+        assert!((b.demand - (0.25 * 84.0 + 0.75 * 80.0)).abs() < 1e-9, "{}", b.demand);
     }
 
     #[test]

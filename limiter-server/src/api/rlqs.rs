@@ -481,12 +481,13 @@ impl Bucket {
         // old demand and part new, and smoothing from it took the new demand rounds
         // to reach (a count off by less than a swing then moves a quarter a round).
         let after_swing = std::mem::take(&mut self.settling);
+        let mut stream_swung = false;
         if let Some(r) = stream
             && !swings(self.counted as f64, self.demand * secs)
         {
             self.demand *= r;
             self.swung = true;
-            self.settling = true;
+            stream_swung = true;
             self.last = (0, 0.0, 0.0);
         }
         let latest = self.counted as f64 / secs;
@@ -519,7 +520,7 @@ impl Bucket {
             DEMAND_WEIGHT * latest + (1.0 - DEMAND_WEIGHT) * self.demand
         };
         self.swung |= swing || shift;
-        self.settling = swing || shift;
+        self.settling = swing || shift || stream_swung;
         self.last = if swing || shift || after_swing {
             (0, 0.0, 0.0)
         } else {

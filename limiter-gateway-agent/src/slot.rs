@@ -63,7 +63,7 @@ const LOW_WATER: u32 = RENEW_WANTED - 1;
 const TICK_SHIFT: u32 = 20;
 
 /// A low-water mark in 30 bits: a 25-bit mantissa and a 5-bit shift, rounded down
-/// (exact below 2^25 units; above, within 3 parts in 100 million: a mark asks for a
+/// (exact below 2^25 units; above, within 2^-24 of it, 6 parts in 100 million: a mark asks for a
 /// renewal, its last digits do not matter).
 struct Mark;
 

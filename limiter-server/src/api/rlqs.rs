@@ -328,6 +328,8 @@ fn keeps(held: Sent, changed: Sent, fair: f64, burst: f64) -> bool {
 #[derive(Debug, Clone, Copy)]
 struct Moment {
     now: Nanos,
+    /// Seconds to the next round.
+    round: f64,
     /// Until when the round pays (the next round and its delivery).
     horizon: Nanos,
     ttl: Duration,
@@ -530,34 +532,60 @@ impl Bucket {
         self.since = upto;
     }
 
+    /// Units paid for its token bucket's time after `now`: paid, not yet its
+    /// Envoy's to spend (every round pays its whole horizon ahead).
+    fn prepaid(&self, now: Nanos) -> f64 {
+        match self.sent {
+            Some(s @ Sent::Tokens { .. }) => {
+                s.rate() * self.paid_until.saturating_sub(now) as f64 / NANOS_PER_SEC as f64
+            }
+            _ => 0.0,
+        }
+    }
+
+    /// What its part earned and its assignments have not been given up to `now`:
+    /// the credit with the units paid for later added back.
+    fn standing(&self, now: Nanos) -> f64 {
+        self.credit + self.prepaid(now)
+    }
+
     /// Earns its part's rate (what it should hold) since it last earned, up to
-    /// `now`; the credit stays within a new bucket's worth (its `max_tokens` and a
-    /// second of its rate) either way.
+    /// `now`; its standing owes at most a new bucket's worth (its `max_tokens`) and
+    /// saves at most two (enough to buy one whatever the rounding).
     fn earn(&mut self, now: Nanos, burst: f64) {
         let fair = self.target().min(self.part);
         if fair.is_finite() {
             let secs = now.saturating_sub(self.credited_at) as f64 / NANOS_PER_SEC as f64;
-            let most = capacity(fair, burst) as f64 + fair;
-            self.credit = (self.credit + fair * secs).clamp(-most, most);
+            let cap = capacity(fair, burst) as f64;
+            let ahead = self.prepaid(now);
+            self.credit = (self.credit + ahead + fair * secs).clamp(-cap, 2.0 * cap) - ahead;
         }
         self.credited_at = now;
     }
 
-    /// Whether it may buy `s` as a new bucket (see [`Self::may_buy_capacity`]).
-    fn may_buy(&self, s: Sent) -> bool {
+    /// Whether it may buy `s` as a new bucket at `now`, rounds `round` seconds apart
+    /// (see [`Self::may_buy_capacity`]).
+    fn may_buy(&self, s: Sent, now: Nanos, round: f64) -> bool {
         match s {
             Sent::Tokens { max_tokens, .. } => {
-                self.may_buy_capacity(u64::from(max_tokens), s.rate())
+                self.may_buy_capacity(u64::from(max_tokens), s.rate(), now, round)
             }
             Sent::Deny => true,
         }
     }
 
-    /// Whether it may buy a new bucket of `cap` tokens at `rate`: its first
-    /// assignment, one no larger and no faster than the bucket it holds (coming down
-    /// leaves units to the others), one in place of `DENY_ALL` once its credit is not
-    /// negative, or one whose `max_tokens` what its part earned covers.
-    fn may_buy_capacity(&self, cap: u64, rate: f64) -> bool {
+    /// Whether it may buy a new bucket of `cap` tokens at `rate` at `now`, rounds
+    /// `round` seconds apart: its first assignment, one no larger and no faster than
+    /// the bucket it holds (coming down leaves units to the others), one in place of
+    /// `DENY_ALL` once its credit is not negative, or one whose `max_tokens` its
+    /// standing covers by the next round: what its part earned beyond what it was
+    /// given (the units paid for later not counted as given: a round pays its whole
+    /// horizon ahead, and counting that as spent kept a bucket whose part rose from
+    /// buying for up to two seconds after a swing), and what the new rate would earn
+    /// over the held one until the next round (a part that rose pays for its new
+    /// bucket within the round: waiting for it to be earned first left the rise
+    /// unspent a round, while the parts that fell came down at once).
+    fn may_buy_capacity(&self, cap: u64, rate: f64, now: Nanos, round: f64) -> bool {
         match self.sent {
             None => true,
             Some(held @ Sent::Tokens { max_tokens, .. })
@@ -570,7 +598,10 @@ impl Bucket {
             // seconds: the smallest Envoy of the fleet test lost a quarter of its
             // share so).
             Some(Sent::Deny) => self.credit >= 0.0,
-            _ => self.credit >= cap as f64,
+            Some(held) => {
+                let gain = (rate - held.rate()).max(0.0) * round;
+                self.standing(now) + gain >= cap as f64
+            }
         }
     }
 
@@ -646,7 +677,7 @@ impl Bucket {
         self.swung = false;
         let fair = self.target().min(self.part);
         let (changed, used) = match self.choose(units, m.now, m.horizon, m.burst, fair) {
-            (s, _) if self.sent != Some(s) && !self.may_buy(s) => (Sent::Deny, 0),
+            (s, _) if self.sent != Some(s) && !self.may_buy(s, m.now, m.round) => (Sent::Deny, 0),
             c => c,
         };
         let (sent, used) = match (self.sent, keep_need) {
@@ -1128,6 +1159,7 @@ impl Session {
         let period_nanos = horizon.saturating_sub(now) + nanos(self.config.burst);
         Moment {
             now,
+            round: self.config.round.as_secs_f64(),
             horizon,
             ttl: self.ttl(),
             burst: self.config.burst.as_secs_f64(),
@@ -1202,7 +1234,7 @@ impl Session {
                         || !worth_changing(s.rate(), fair, m.burst))
             });
             let cap = capacity(fair, m.burst);
-            let buys_it = b.may_buy_capacity(cap, fair);
+            let buys_it = b.may_buy_capacity(cap, fair, m.now, m.round);
             let (want, paid_for) = match keep_need {
                 Some(need) if keeps_it || !buys_it => (need, m.period_nanos),
                 None if !buys_it => (1, m.period_nanos),
@@ -1409,26 +1441,56 @@ mod tests {
         b.sent = Some(Sent::Tokens { max_tokens: 2, tokens: 1, fill_secs: 4 });
         b.part = 0.5;
         let new = Sent::Tokens { max_tokens: 2, tokens: 1, fill_secs: 2 };
-        assert!(!b.may_buy(new), "nothing earned yet");
+        assert!(!b.may_buy(new, 0, 0.5), "nothing earned yet");
         // Half a unit a second (its demand's target is higher): 2 tokens in 4 s.
-        b.earn(3 * NANOS_PER_SEC, 0.1);
-        assert!(!b.may_buy(new));
-        b.earn(4 * NANOS_PER_SEC, 0.1);
-        assert!(b.may_buy(new));
-        // Earned within a new bucket's worth: idle time is not saved up.
-        b.earn(100 * NANOS_PER_SEC, 0.1);
-        assert!((b.credit - 2.5).abs() < 1e-9, "{}", b.credit);
+        let s = NANOS_PER_SEC;
+        b.earn(3 * s, 0.1);
+        assert!(!b.may_buy(new, 3 * s, 0.5));
+        b.earn(4 * s, 0.1);
+        assert!(b.may_buy(new, 4 * s, 0.5));
+        // Earned within two new buckets' worth: idle time is not saved up.
+        b.earn(100 * s, 0.1);
+        assert!((b.credit - 4.0).abs() < 1e-9, "{}", b.credit);
         // A first assignment needs nothing earned; nothing is bought for `DENY`.
         b.sent = None;
         b.credit = -5.0;
-        assert!(b.may_buy(new));
-        assert!(b.may_buy(Sent::Deny));
+        assert!(b.may_buy(new, 100 * s, 0.5));
+        assert!(b.may_buy(Sent::Deny, 100 * s, 0.5));
         // Denied, it leaves once it owes nothing.
         b.sent = Some(Sent::Deny);
         b.credit = -0.1;
-        assert!(!b.may_buy(new));
+        assert!(!b.may_buy(new, 100 * s, 0.5));
         b.credit = 0.0;
-        assert!(b.may_buy(new));
+        assert!(b.may_buy(new, 100 * s, 0.5));
+    }
+
+    #[test]
+    fn units_paid_ahead_are_not_counted_as_given() {
+        // 20 a second held, paid 0.6 s ahead at a round (12 units): its credit fell
+        // by them, but its Envoy has not had them yet.
+        let mut b = bucket(40.0);
+        b.sent = Some(Sent::Tokens { max_tokens: 2, tokens: 20, fill_secs: 1 });
+        b.part = 40.0;
+        b.paid_until = 600_000_000;
+        b.credit = -12.0;
+        assert!((b.standing(0) - 0.0).abs() < 1e-9);
+        // Its part rose to 40 a second: a bucket of 4 tokens is bought once its part
+        // earned them beyond what it held, a tenth of a second, not once the credit
+        // has caught up with the horizon paid ahead; with rounds half a second
+        // apart, at once (the rise pays for it within the round).
+        let bigger = Sent::Tokens { max_tokens: 4, tokens: 40, fill_secs: 1 };
+        assert!(b.may_buy(bigger, 0, 0.5));
+        assert!(!b.may_buy(bigger, 0, 0.0));
+        let tenth = NANOS_PER_SEC / 10;
+        b.earn(tenth, 0.1);
+        // Earned 4, given 2 (its held rate's tenth of a second).
+        assert!((b.standing(tenth) - 2.0).abs() < 1e-9, "{}", b.standing(tenth));
+        b.earn(2 * tenth, 0.1);
+        assert!(b.may_buy(bigger, 2 * tenth, 0.0), "{}", b.standing(2 * tenth));
+        // Earning is capped at two new buckets' worth of standing, whatever is paid
+        // ahead.
+        b.earn(100 * NANOS_PER_SEC, 0.1);
+        assert!((b.standing(100 * NANOS_PER_SEC) - 8.0).abs() < 1e-9);
     }
 
     #[test]
@@ -1507,9 +1569,9 @@ mod tests {
     fn coming_down_to_a_bucket_no_larger_needs_no_credit() {
         // Holds 10 a second in 2 tokens; nothing earned.
         let b = bucket(5.0);
-        assert!(b.may_buy(Sent::Tokens { max_tokens: 2, tokens: 5, fill_secs: 1 }));
-        assert!(!b.may_buy(Sent::Tokens { max_tokens: 3, tokens: 5, fill_secs: 1 }));
-        assert!(!b.may_buy(Sent::Tokens { max_tokens: 2, tokens: 12, fill_secs: 1 }));
+        assert!(b.may_buy(Sent::Tokens { max_tokens: 2, tokens: 5, fill_secs: 1 }, 0, 0.5));
+        assert!(!b.may_buy(Sent::Tokens { max_tokens: 3, tokens: 5, fill_secs: 1 }, 0, 0.5));
+        assert!(!b.may_buy(Sent::Tokens { max_tokens: 2, tokens: 12, fill_secs: 1 }, 0, 0.5));
     }
 
     #[test]

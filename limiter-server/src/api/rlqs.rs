@@ -97,6 +97,9 @@ const COME_DOWN: f64 = 1.1;
 /// than the difference is worth. Seconds, for a rate that goes up (the Envoy's own
 /// loss while it waits) and for one that comes down (the others' loss: sooner).
 const CHANGE_PAYS_WITHIN: (f64, f64) = (2.0, 4.0);
+/// A bucket whose part rose may buy its new bucket from what the new rate will earn
+/// over the held one in this many rounds (see [`Bucket::may_buy_capacity`]).
+const BUY_AHEAD_ROUNDS: f64 = 2.0;
 /// What is asked for above the measured demand, so that growth shows as demand.
 const HEADROOM: f64 = 1.5;
 /// The least rate asked for a subscribed bucket, units a second (a bucket that sees
@@ -551,14 +554,14 @@ impl Bucket {
 
     /// Earns its part's rate (what it should hold) since it last earned, up to
     /// `now`; its standing owes at most a new bucket's worth (its `max_tokens`) and
-    /// saves at most two (enough to buy one whatever the rounding).
+    /// saves at most that and a unit (enough to buy one whatever the rounding).
     fn earn(&mut self, now: Nanos, burst: f64) {
         let fair = self.target().min(self.part);
         if fair.is_finite() {
             let secs = now.saturating_sub(self.credited_at) as f64 / NANOS_PER_SEC as f64;
             let cap = capacity(fair, burst) as f64;
             let ahead = self.prepaid(now);
-            self.credit = (self.credit + ahead + fair * secs).clamp(-cap, 2.0 * cap) - ahead;
+            self.credit = (self.credit + ahead + fair * secs).clamp(-cap, cap + 1.0) - ahead;
         }
         self.credited_at = now;
     }
@@ -578,13 +581,13 @@ impl Bucket {
     /// `round` seconds apart: its first assignment, one no larger and no faster than
     /// the bucket it holds (coming down leaves units to the others), one in place of
     /// `DENY_ALL` once its credit is not negative, or one whose `max_tokens` its
-    /// standing covers by the next round: what its part earned beyond what it was
-    /// given (the units paid for later not counted as given: a round pays its whole
-    /// horizon ahead, and counting that as spent kept a bucket whose part rose from
-    /// buying for up to two seconds after a swing), and what the new rate would earn
-    /// over the held one until the next round (a part that rose pays for its new
-    /// bucket within the round: waiting for it to be earned first left the rise
-    /// unspent a round, while the parts that fell came down at once).
+    /// standing covers within [`BUY_AHEAD_ROUNDS`]: what its part earned beyond what
+    /// it was given (the units paid for later not counted as given: a round pays its
+    /// whole horizon ahead, and counting that as spent kept a bucket whose part rose
+    /// from buying for up to two seconds after a swing), and what the new rate would
+    /// earn over the held one in those rounds (a part that rose pays for its new
+    /// bucket soon: waiting for it to be earned first left the rise unspent a round
+    /// or more, while the parts that fell came down at once).
     fn may_buy_capacity(&self, cap: u64, rate: f64, now: Nanos, round: f64) -> bool {
         match self.sent {
             None => true,
@@ -599,7 +602,7 @@ impl Bucket {
             // share so).
             Some(Sent::Deny) => self.credit >= 0.0,
             Some(held) => {
-                let gain = (rate - held.rate()).max(0.0) * round;
+                let gain = (rate - held.rate()).max(0.0) * round * BUY_AHEAD_ROUNDS;
                 self.standing(now) + gain >= cap as f64
             }
         }
@@ -1448,9 +1451,9 @@ mod tests {
         assert!(!b.may_buy(new, 3 * s, 0.5));
         b.earn(4 * s, 0.1);
         assert!(b.may_buy(new, 4 * s, 0.5));
-        // Earned within two new buckets' worth: idle time is not saved up.
+        // Earned within a new bucket's worth and a unit: idle time is not saved up.
         b.earn(100 * s, 0.1);
-        assert!((b.credit - 4.0).abs() < 1e-9, "{}", b.credit);
+        assert!((b.credit - 3.0).abs() < 1e-9, "{}", b.credit);
         // A first assignment needs nothing earned; nothing is bought for `DENY`.
         b.sent = None;
         b.credit = -5.0;
@@ -1477,7 +1480,7 @@ mod tests {
         // Its part rose to 40 a second: a bucket of 4 tokens is bought once its part
         // earned them beyond what it held, a tenth of a second, not once the credit
         // has caught up with the horizon paid ahead; with rounds half a second
-        // apart, at once (the rise pays for it within the round).
+        // apart, at once (the rise pays for it within them).
         let bigger = Sent::Tokens { max_tokens: 4, tokens: 40, fill_secs: 1 };
         assert!(b.may_buy(bigger, 0, 0.5));
         assert!(!b.may_buy(bigger, 0, 0.0));
@@ -1487,10 +1490,10 @@ mod tests {
         assert!((b.standing(tenth) - 2.0).abs() < 1e-9, "{}", b.standing(tenth));
         b.earn(2 * tenth, 0.1);
         assert!(b.may_buy(bigger, 2 * tenth, 0.0), "{}", b.standing(2 * tenth));
-        // Earning is capped at two new buckets' worth of standing, whatever is paid
-        // ahead.
+        // Earning is capped at a new bucket's worth of standing and a unit, whatever
+        // is paid ahead.
         b.earn(100 * NANOS_PER_SEC, 0.1);
-        assert!((b.standing(100 * NANOS_PER_SEC) - 8.0).abs() < 1e-9);
+        assert!((b.standing(100 * NANOS_PER_SEC) - 5.0).abs() < 1e-9);
     }
 
     #[test]
@@ -1571,7 +1574,10 @@ mod tests {
         let b = bucket(5.0);
         assert!(b.may_buy(Sent::Tokens { max_tokens: 2, tokens: 5, fill_secs: 1 }, 0, 0.5));
         assert!(!b.may_buy(Sent::Tokens { max_tokens: 3, tokens: 5, fill_secs: 1 }, 0, 0.5));
-        assert!(!b.may_buy(Sent::Tokens { max_tokens: 2, tokens: 12, fill_secs: 1 }, 0, 0.5));
+        // Faster by a unit a second: what that earns in two rounds half a second
+        // apart does not cover 2 tokens; by two units, it does.
+        assert!(!b.may_buy(Sent::Tokens { max_tokens: 2, tokens: 11, fill_secs: 1 }, 0, 0.5));
+        assert!(b.may_buy(Sent::Tokens { max_tokens: 2, tokens: 12, fill_secs: 1 }, 0, 0.5));
     }
 
     #[test]

@@ -1477,10 +1477,11 @@ mod tests {
         b.paid_until = 600_000_000;
         b.credit = -12.0;
         assert!((b.standing(0) - 0.0).abs() < 1e-9);
-        // Its part rose to 40 a second: a bucket of 4 tokens is bought once its part
-        // earned them beyond what it held, a tenth of a second, not once the credit
-        // has caught up with the horizon paid ahead; with rounds half a second
-        // apart, at once (the rise pays for it within them).
+        // Its part rose to 40 a second. With rounds half a second apart, a bucket of 4
+        // tokens is bought at once: what the rise earns in the next two rounds covers
+        // it. Without that look-ahead, once its part has earned the 4 tokens beyond
+        // what it held (a tenth of a second), not once the credit has caught up with
+        // the horizon paid ahead.
         let bigger = Sent::Tokens { max_tokens: 4, tokens: 40, fill_secs: 1 };
         assert!(b.may_buy(bigger, 0, 0.5));
         assert!(!b.may_buy(bigger, 0, 0.0));

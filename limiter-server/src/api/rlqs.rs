@@ -553,15 +553,20 @@ impl Bucket {
     }
 
     /// Earns its part's rate (what it should hold) since it last earned, up to
-    /// `now`; its standing owes at most a new bucket's worth (its `max_tokens`) and
-    /// saves at most that and a unit (enough to buy one whatever the rounding).
+    /// `now`; its standing saves at most a new bucket's worth (its `max_tokens`) and
+    /// a unit (enough to buy one whatever the rounding), and owes at most a new
+    /// bucket's worth or a second of its part, the smaller: a debt run up at a larger
+    /// part (buckets of at least 2 tokens) was repaid at the new one, and an Envoy
+    /// whose demand fell tenfold sat at `DENY_ALL` for seconds after a swing (13-20%
+    /// under its share in the fleet test).
     fn earn(&mut self, now: Nanos, burst: f64) {
         let fair = self.target().min(self.part);
         if fair.is_finite() {
             let secs = now.saturating_sub(self.credited_at) as f64 / NANOS_PER_SEC as f64;
             let cap = capacity(fair, burst) as f64;
             let ahead = self.prepaid(now);
-            self.credit = (self.credit + ahead + fair * secs).clamp(-cap, cap + 1.0) - ahead;
+            let owes = cap.min(fair);
+            self.credit = (self.credit + ahead + fair * secs).clamp(-owes, cap + 1.0) - ahead;
         }
         self.credited_at = now;
     }
@@ -1465,6 +1470,30 @@ mod tests {
         assert!(!b.may_buy(new, 100 * s, 0.5));
         b.credit = 0.0;
         assert!(b.may_buy(new, 100 * s, 0.5));
+    }
+
+    #[test]
+    fn a_debt_is_at_most_a_second_of_the_part() {
+        // Denied after a fall: a part of 0.4 a second owing a whole bucket (2 tokens)
+        // would wait 5 s to leave `DENY_ALL`; it owes at most 0.4 and leaves within
+        // a second.
+        let mut b = bucket(0.3);
+        b.sent = Some(Sent::Deny);
+        b.part = 0.4;
+        b.credit = -2.0;
+        b.earn(0, 0.1);
+        assert!((b.credit + 0.4).abs() < 1e-9, "{}", b.credit);
+        let new = Sent::Tokens { max_tokens: 2, tokens: 2, fill_secs: 5 };
+        assert!(!b.may_buy(new, 0, 0.5));
+        b.earn(NANOS_PER_SEC, 0.1);
+        assert!(b.may_buy(new, NANOS_PER_SEC, 0.5));
+        // A fast part owes at most a bucket, its `max_tokens`.
+        let mut b = bucket(200.0);
+        b.part = 100.0;
+        b.paid_until = 0;
+        b.credit = -50.0;
+        b.earn(0, 0.1);
+        assert!((b.credit + 10.0).abs() < 1e-9, "{}", b.credit);
     }
 
     #[test]

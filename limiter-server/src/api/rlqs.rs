@@ -1407,12 +1407,17 @@ mod tests {
         }
     }
 
+    /// `b` reports `counted` requests at `at`, and its demand is measured.
+    fn report(b: &mut Bucket, counted: u64, at: Nanos) {
+        b.counted = counted;
+        b.reported = at;
+        b.measure(None);
+    }
+
     /// The demand estimate after `counted` requests over half a second, from `demand`.
     fn measured(demand: f64, counted: u64) -> f64 {
         let mut b = bucket(demand);
-        b.counted = counted;
-        b.reported = NANOS_PER_SEC / 2;
-        b.measure(None);
+        report(&mut b, counted, NANOS_PER_SEC / 2);
         b.demand
     }
 
@@ -1542,22 +1547,16 @@ mod tests {
         // 60 a second, then 45 in each of two half seconds (30 expected): each short
         // of a swing, both together one.
         let mut b = bucket(60.0);
-        b.counted = 45;
-        b.reported = NANOS_PER_SEC / 2;
-        b.measure(None);
+        report(&mut b, 45, NANOS_PER_SEC / 2);
         assert!((b.demand - (0.25 * 90.0 + 0.75 * 60.0)).abs() < 1e-9, "{}", b.demand);
         assert!(!b.swung);
-        b.counted = 45;
-        b.reported = NANOS_PER_SEC;
-        b.measure(None);
+        report(&mut b, 45, NANOS_PER_SEC);
         assert!((b.demand - 90.0).abs() < 1e-9, "{}", b.demand);
         assert!(b.swung, "the part last granted is stale");
         // Off both ways in turn: noise, smoothed.
         let mut b = bucket(60.0);
         for (i, n) in [38, 24].into_iter().enumerate() {
-            b.counted = n;
-            b.reported = (i as u64 + 1) * NANOS_PER_SEC / 2;
-            b.measure(None);
+            report(&mut b, n, (i as u64 + 1) * NANOS_PER_SEC / 2);
         }
         assert!(!b.swung && (b.demand - 60.0).abs() < 8.0, "{}", b.demand);
     }
@@ -1570,18 +1569,12 @@ mod tests {
         // through (5 expected): a swing, to 50; then the whole new rate, 40 in half
         // a second, which is no swing from 50 but is taken as it is.
         let mut b = bucket(10.0);
-        b.counted = 25;
-        b.reported = NANOS_PER_SEC / 2;
-        b.measure(None);
+        report(&mut b, 25, NANOS_PER_SEC / 2);
         assert!((b.demand - 50.0).abs() < 1e-9, "{}", b.demand);
-        b.counted = 40;
-        b.reported = NANOS_PER_SEC;
-        b.measure(None);
+        report(&mut b, 40, NANOS_PER_SEC);
         assert!((b.demand - 80.0).abs() < 1e-9, "{}", b.demand);
         // After that, noise is smoothed again.
-        b.counted = 42;
-        b.reported = 3 * NANOS_PER_SEC / 2;
-        b.measure(None);
+        report(&mut b, 42, 3 * NANOS_PER_SEC / 2);
         assert!((b.demand - (0.25 * 84.0 + 0.75 * 80.0)).abs() < 1e-9, "{}", b.demand);
     }
 
@@ -1589,9 +1582,7 @@ mod tests {
     fn counts_an_envoy_chooses_cannot_overflow_the_estimate() {
         let mut b = bucket(5.0);
         for i in 1..4 {
-            b.counted = u64::MAX;
-            b.reported = i * NANOS_PER_SEC / 2;
-            b.measure(None);
+            report(&mut b, u64::MAX, i * NANOS_PER_SEC / 2);
             assert!(b.demand.is_finite(), "{}", b.demand);
             let item = b.item(u64::MAX, NANOS_PER_SEC);
             assert_eq!(item.demand_milli, u64::MAX);
@@ -1661,9 +1652,7 @@ mod tests {
         // A report just after the subscription is no rate: counted on.
         let mut b = bucket(0.0);
         b.sent = None;
-        b.counted = 1;
-        b.reported = 5_000_000;
-        b.measure(None);
+        report(&mut b, 1, 5_000_000);
         assert_eq!((b.demand, b.counted), (0.0, 1));
     }
 }

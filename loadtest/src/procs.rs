@@ -52,13 +52,24 @@ pub fn server_binary() -> anyhow::Result<PathBuf> {
     }
 }
 
-/// A free loopback address (bound, then released).
+/// A free loopback address (bound, then released), never one this process was given
+/// before: the tests of one binary run at once, and a port released by one and
+/// handed to another would start two servers that fight over it (a chaos test's node
+/// once never became ready so).
 ///
 /// # Errors
 ///
 /// When no port can be bound.
 pub fn free_addr() -> anyhow::Result<SocketAddr> {
-    Ok(std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?)
+    static GIVEN: Mutex<Vec<u16>> = Mutex::new(Vec::new());
+    let mut given = GIVEN.lock();
+    loop {
+        let addr = std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?;
+        if !given.contains(&addr.port()) {
+            given.push(addr.port());
+            return Ok(addr);
+        }
+    }
 }
 
 /// A server node the run started.
@@ -133,7 +144,7 @@ impl Node {
             node.env = e;
             node.spawn()?;
         }
-        for node in &nodes {
+        for node in &mut nodes {
             node.wait_ready().await?;
         }
         Ok(nodes)
@@ -162,15 +173,33 @@ impl Node {
     ///
     /// # Errors
     ///
-    /// When it does not within 20 s.
-    pub async fn wait_ready(&self) -> anyhow::Result<()> {
+    /// When it does not within 20 s, or exits first (the error then carries its exit
+    /// status and the end of its log).
+    pub async fn wait_ready(&mut self) -> anyhow::Result<()> {
         for _ in 0..400 {
             if http_get(self.admin, "/readyz").await.is_some_and(|(s, _)| s == 200) {
                 return Ok(());
             }
+            if let Some(status) = self.exited() {
+                bail!(
+                    "{} ({}) exited before it was ready ({status}): {}",
+                    self.id,
+                    self.grpc,
+                    self.log_tail()
+                );
+            }
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
-        bail!("{} ({}) did not become ready", self.id, self.grpc)
+        bail!("{} ({}) did not become ready: {}", self.id, self.grpc, self.log_tail())
+    }
+
+    /// The last lines of its log, for an error.
+    fn log_tail(&self) -> String {
+        let text = std::fs::read_to_string(&self.log).unwrap_or_default();
+        let lines: Vec<&str> = text.lines().collect();
+        let tail = lines[lines.len().saturating_sub(5)..].join(" | ");
+        // Its own log, but bounded all the same.
+        tail.chars().take(1_000).collect()
     }
 
     /// Its process id, while it runs.

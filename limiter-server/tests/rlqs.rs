@@ -283,6 +283,36 @@ async fn buckets_beyond_a_nodes_cap_are_denied_until_a_stream_lets_its_own_go() 
 }
 
 #[tokio::test]
+async fn an_abandoned_bucket_no_longer_counts_against_the_nodes_cap() {
+    let env = [FAST, &[("LIMITER__RLQS__MAX_TOTAL_BUCKETS", "1")]].concat();
+    let server = TestServer::start_with(POLICY, &env).await;
+    let (a, b) = (id(&[("route", "/api"), ("user", "a")]), id(&[("route", "/api"), ("user", "b")]));
+    let mut s = Stream::open(&server, reports("acme", vec![usage(&a, 1, 0)])).await;
+    // Reported twice with no requests, then no traffic for `rlqs.idle_ms` (1 s):
+    // abandoned.
+    let reporter = {
+        let (tx, a) = (s.tx.clone(), a.clone());
+        tokio::spawn(async move {
+            for _ in 0..2 {
+                tokio::time::sleep(Duration::from_millis(200)).await;
+                let _ = tx.send(reports("acme", vec![usage(&a, 0, 0)]));
+            }
+        })
+    };
+    collect(&mut s, |all| all.get("route=/api,user=a").is_some_and(|v| v.contains(&Seen::Abandon)))
+        .await;
+    reporter.abort();
+    // The node holds no bucket now: a new one is assigned, not denied for the cap.
+    s.send(reports("acme", vec![usage(&b, 1, 0)]));
+    let all = collect(&mut s, |all| all.contains_key("route=/api,user=b")).await;
+    assert!(
+        matches!(all["route=/api,user=b"][0], Seen::Tokens { .. }),
+        "the abandoned bucket's place is free again: {all:?}"
+    );
+    server.stop().await;
+}
+
+#[tokio::test]
 async fn an_idle_bucket_is_abandoned_and_a_draining_node_ends_its_streams_abandoning_nothing() {
     let server = TestServer::start_with(POLICY, FAST).await;
     let idle = id(&[("route", "/api"), ("user", "idle")]);

@@ -1305,6 +1305,7 @@ impl Session {
         counted("abandon", gone.len());
         for n in gone {
             if let Some(b) = self.buckets.remove(&n) {
+                self.total.fetch_sub(1, Ordering::Relaxed);
                 metrics::gauge!(BUCKETS).decrement(1.0);
                 actions.push(abandon(b.id));
             }

@@ -40,7 +40,6 @@ impl Inner {
             renews_within: Some(duration(self.rationed_every())),
             rates: false,
             demand_milli: 0,
-            part_only: false,
         }
     }
 

@@ -1207,10 +1207,9 @@ impl Session {
     }
 
     /// What each bucket asks for this round: enough to keep what it holds (the
-    /// first list, paid first), or enough for the rate it wants as a new bucket, or,
-    /// at `DENY_ALL` while it may not buy, its part alone (the second; `part_only`: a
-    /// unit granted to it would buy nothing and sit out of the others' reach until
-    /// its next round); re-sends of buckets paid beyond the horizon go to `actions`.
+    /// first list, paid first), or enough for the rate it wants as a new bucket or a
+    /// unit to learn its part (the second); re-sends of buckets paid beyond the
+    /// horizon go to `actions`.
     fn plan(
         &mut self,
         fresh_only: bool,
@@ -1263,9 +1262,7 @@ impl Session {
                 }
                 continue;
             }
-            let mut item = b.item(want.max(1), paid_for);
-            // A bucket at `DENY_ALL` that may not buy learns its part and takes nothing.
-            item.part_only = keep_need.is_none() && !buys_it;
+            let item = b.item(want.max(1), paid_for);
             let planned = Planned { name: name.clone(), keep_need, item };
             if keep_need.is_some() && (keeps_it || !buys_it) {
                 keeps.push(planned);

@@ -526,7 +526,6 @@ impl Cluster {
             renews_within: None,
             rates: false,
             demand_milli: 0,
-            part_only: false,
         };
         let req = pb::LeaseRequest {
             agent_id: format!("node:{}", self.me.id),

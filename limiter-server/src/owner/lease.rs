@@ -364,11 +364,6 @@ impl Owner {
             None => (ask, shares),
         };
         (grant.rate_part, grant.rate_part_milli) = part.unwrap_or((0, 0));
-        if rates && item.part_only {
-            // Its demand is counted (above); nothing is taken from the levels.
-            self.give_back(&chain, now, back).await?;
-            return Ok(grant);
-        }
         let renewal = Renewal { back, ask, shares };
         if slice_of.is_none()
             && !exact
@@ -816,67 +811,4 @@ fn ends_with_window(chain: &Chain<'_>, now: Nanos, hold: Nanos) -> bool {
         matches!(*l.rule.limit, Limit::FixedWindow(_) | Limit::SlidingCounter(_))
             && l.rule.limit.grant_hold(now, Nanos::MAX) <= hold
     })
-}
-
-#[cfg(test)]
-mod tests {
-    use std::sync::Arc;
-
-    use limiter_core::clock::{Clock, ManualClock};
-    use limiter_core::policy::Request;
-
-    use super::*;
-    use crate::config::ServerConfig;
-    use crate::owner::reload::PolicyHolder;
-    use crate::store::Store;
-
-    const POLICY: &str = "version: 1
-lease: { mode: leased, ttl: 2s, max_batch: 50 }
-tenants:
-  acme:
-    routes:
-      /r: { algorithm: token_bucket, rate: 10/s, burst: 10 }
-";
-
-    fn owner(dir: &tempfile::TempDir) -> Owner {
-        let path = dir.path().join("policies.yaml");
-        std::fs::write(&path, POLICY).unwrap();
-        let clock: Arc<dyn Clock> = Arc::new(ManualClock::new(1_000 * NANOS_PER_SEC));
-        let policies = Arc::new(PolicyHolder::load(&path, clock.clone()).unwrap());
-        let limits = ServerConfig::for_policy(&path).unwrap().limits;
-        Owner::new(policies, Store::memory(10_000, 1_000, false), clock, limits)
-    }
-
-    fn rate_item(want: u64, part_only: bool) -> pb::LeaseItem {
-        pb::LeaseItem {
-            tenant: "acme".into(),
-            route: "/r".into(),
-            want,
-            demand_milli: 4_000,
-            renews_within: Some(convert::duration(NANOS_PER_SEC)),
-            rates: true,
-            part_only,
-            ..Default::default()
-        }
-    }
-
-    async fn left(owner: &Owner) -> u64 {
-        let u = owner.usage(&Request::new("acme", "/r")).await.unwrap();
-        u.levels.iter().map(|l| l.remaining).min().unwrap()
-    }
-
-    #[tokio::test]
-    async fn a_rate_holder_asking_its_part_only_is_told_it_and_takes_nothing() {
-        let dir = tempfile::tempdir().unwrap();
-        let owner = owner(&dir);
-        assert_eq!(left(&owner).await, 10);
-        let g = owner.lease("rlqs:a", &[rate_item(1, true)]).await.unwrap().remove(0);
-        assert_eq!(g.units, 0, "{g:?}");
-        assert!(g.rate_part > 0 && g.rate_part_milli > 0, "its part is told: {g:?}");
-        assert_eq!(left(&owner).await, 10, "nothing taken from the level");
-        // The same ask without `part_only` takes its unit.
-        let g = owner.lease("rlqs:a", &[rate_item(1, false)]).await.unwrap().remove(0);
-        assert_eq!(g.units, 1, "{g:?}");
-        assert_eq!(left(&owner).await, 9);
-    }
 }

@@ -84,6 +84,14 @@ pub struct BucketLog {
     pub admitted_blanket: u64,
     /// Refused.
     pub denied: u64,
+    /// When requests were refused by a blanket rule (`DENY_ALL`, or a deny as the
+    /// no-assignment or expired behaviour).
+    pub denied_blanket: Vec<Nanos>,
+    /// Refill a full token bucket could not hold (when a request found it so, and
+    /// how much): paid for, never spendable.
+    pub refill_lost: Vec<(Nanos, f64)>,
+    /// Tokens left in a token bucket when an assignment replaced it.
+    pub discarded: Vec<(Nanos, f64)>,
     /// Token buckets created (first assignments and changes).
     pub buckets_created: u64,
     /// Assignments received.
@@ -105,10 +113,25 @@ struct Tokens {
 }
 
 impl Tokens {
-    fn take(&mut self, now: Nanos) -> bool {
+    /// Takes a token if it holds one; the refill it could not hold, if any.
+    fn take(&mut self, now: Nanos) -> (bool, f64) {
         let dt = now.saturating_sub(self.last) as f64 / NANOS_PER_SEC as f64;
         self.last = now;
-        self.tokens = (self.tokens + dt * self.rate).min(self.max);
+        let filled = self.tokens + dt * self.rate;
+        self.tokens = filled.min(self.max);
+        let lost = (filled - self.max).max(0.0);
+        (self.take_one(), lost)
+    }
+
+    /// Its tokens and the refill it could not hold, brought up to `now` (it is being
+    /// replaced).
+    fn left_at(&self, now: Nanos) -> (f64, f64) {
+        let dt = now.saturating_sub(self.last) as f64 / NANOS_PER_SEC as f64;
+        let filled = self.tokens + dt * self.rate;
+        (filled.min(self.max), (filled - self.max).max(0.0))
+    }
+
+    fn take_one(&mut self) -> bool {
         if self.tokens >= 1.0 {
             self.tokens -= 1.0;
             true
@@ -249,7 +272,10 @@ impl Envoy {
         let expired = b.expires.is_some_and(|e| now >= e);
         let rule = match (&mut b.held, expired) {
             (Some(Held::Tokens(t)), false) => {
-                let ok = t.take(now);
+                let (ok, lost) = t.take(now);
+                if lost > 0.0 {
+                    log.refill_lost.push((now, lost));
+                }
                 if ok {
                     log.admitted.push(Admitted { at: now, bucket_since: t.since });
                     b.allowed += 1;
@@ -269,6 +295,7 @@ impl Envoy {
             true
         } else {
             log.denied += 1;
+            log.denied_blanket.push(now);
             b.denied += 1;
             false
         }
@@ -375,6 +402,16 @@ impl Envoy {
                         }
                     };
                     log.assignments += 1;
+                    if let Some(Held::Tokens(old)) = b.held {
+                        let kept = matches!(held, Held::Tokens(t) if t.since == old.since);
+                        if !kept {
+                            let (left, lost) = old.left_at(now);
+                            log.discarded.push((now, left));
+                            if lost > 0.0 {
+                                log.refill_lost.push((now, lost));
+                            }
+                        }
+                    }
                     b.held = Some(held);
                     b.expires = a.assignment_time_to_live.map(|ttl| {
                         now + u64::try_from(ttl.seconds.max(0)).unwrap_or(0) * NANOS_PER_SEC

@@ -19,7 +19,9 @@
 //!   bucket (`max_tokens`: Envoy starts a new bucket full) besides. What the grant
 //!   does not cover is not assigned: the rate comes down, to `DENY_ALL` at nothing.
 //!   Units a round did not use go back with the next round's call (refunded
-//!   exactly). Keeps are paid first, new buckets asked for `BUYS_AFTER` later. So while rounds arrive, every unit an Envoy can admit was paid before
+//!   exactly). Keeps are paid first, new buckets asked for `BUYS_AFTER` later (a
+//!   bucket that rises pays its keep with the keeps and hands it back with its new
+//!   bucket's ask). So while rounds arrive, every unit an Envoy can admit was paid before
 //!   it could be spent, from the same levels every other caller spends: exact. When
 //!   they stop (this node dies, or is cut off from its Envoys), an Envoy goes on
 //!   spending its last assignment until its TTL: at most its rate over the TTL past
@@ -348,6 +350,9 @@ struct Planned {
     name: String,
     keep_need: Option<u64>,
     item: pb::LeaseItem,
+    /// A keep that is to rise: the new bucket's ask and the time it pays for, asked
+    /// after the keeps (see [`Session::round`]).
+    rise: Option<(u64, Nanos)>,
 }
 
 /// What a round (or a drain) sent and paid, for the metrics.
@@ -1178,8 +1183,9 @@ impl Session {
 
     /// One round: pays for what every bucket's assignment lets its Envoy admit until
     /// the next round (and its delivery), and sends them (`fresh_only`: the buckets
-    /// not yet assigned, right after they subscribed). Keeps are paid first; buys
-    /// and probes ask [`BUYS_AFTER`] later, from what every stream's keeps left:
+    /// not yet assigned, right after they subscribed). Keeps are paid first (a rise's
+    /// keep among them); buys, rises and probes ask [`BUYS_AFTER`] later, from what
+    /// every stream's keeps left:
     /// rounds of all streams fall on the same instants, and a new bucket asked for
     /// in the same instant as the others' keeps would take units they hold.
     async fn round(&mut self, fresh_only: bool) {
@@ -1188,11 +1194,40 @@ impl Session {
         if !fresh_only {
             self.abandon_idle(m.now, &mut actions);
         }
-        let (keeps, buys) = self.plan(fresh_only, &m, &mut actions);
+        let (keeps, mut buys) = self.plan(fresh_only, &m, &mut actions);
         let mut tally = Tally::default();
         let kept_any = !keeps.is_empty();
+        // A bucket that rises keeps what it holds with the others' keeps first: asked
+        // only after them, its new bucket met a level they had emptied, and the grant
+        // then paid neither (a trace of a 15-a-second bucket: an Envoy with credit
+        // for the new bucket sent to `DENY_ALL` for a second so). Its keep's grant goes
+        // back whole in the same item as its new bucket's ask, so that the ask finds
+        // at least the keep's units; the keep is settled again with it.
+        let rises: Vec<_> = keeps
+            .iter()
+            .filter_map(|p| {
+                let (want, paid_for) = p.rise?;
+                let b = self.buckets.get(&p.name)?;
+                Some((p.name.clone(), p.keep_need, want, paid_for, b.paid_until, b.credit, b.sent))
+            })
+            .collect();
         if kept_any {
             self.pay_and_settle(keeps, m, &mut tally, &mut actions).await;
+        }
+        for (name, keep_need, want, paid_for, paid_until, credit, sent) in rises {
+            let Some(b) = self.buckets.get_mut(&name) else { continue };
+            if b.sent != sent {
+                // Its keep fell short: it changed already.
+                continue;
+            }
+            // The keep undone: what it used goes back with the ask.
+            let used = whole((credit - b.credit).round());
+            (b.paid_until, b.credit) = (paid_until, credit);
+            b.lease.1 = b.lease.1.saturating_add(used);
+            tally.paid = tally.paid.saturating_sub(used);
+            tally.extended = tally.extended.saturating_sub(1);
+            let item = b.item(want.max(1), paid_for);
+            buys.push(Planned { name, keep_need, item, rise: None });
         }
         if !buys.is_empty() {
             if kept_any && !fresh_only {
@@ -1263,9 +1298,16 @@ impl Session {
                 continue;
             }
             let item = b.item(want.max(1), paid_for);
-            let planned = Planned { name: name.clone(), keep_need, item };
+            let planned = Planned { name: name.clone(), keep_need, item, rise: None };
             if keep_need.is_some() && (keeps_it || !buys_it) {
                 keeps.push(planned);
+            } else if let (Some(need @ 1..), Some(held @ Sent::Tokens { .. })) = (keep_need, b.sent)
+                && !fresh_only
+                && fair > held.rate()
+            {
+                // A rise: its keep first, its new bucket after (see `round`).
+                let item = b.item(need, m.period_nanos);
+                keeps.push(Planned { item, rise: Some((want, paid_for)), ..planned });
             } else {
                 buys.push(planned);
             }
@@ -1655,5 +1697,99 @@ mod tests {
         b.sent = None;
         report(&mut b, 1, 5_000_000);
         assert_eq!((b.demand, b.counted), (0.0, 1));
+    }
+
+    /// A stream on an owner of one token bucket route `/r` of tenant `t` (10 a second,
+    /// a second of burst), on a manual clock; the time, and what it sends.
+    fn stream(dir: &tempfile::TempDir) -> (Session, Nanos, Sends) {
+        use crate::config::ServerConfig;
+        use crate::owner::reload::PolicyHolder;
+        use limiter_core::clock::{Clock, ManualClock};
+        let path = dir.path().join("policies.yaml");
+        let policy = "version: 1\nlease: { mode: leased, ttl: 2s, max_batch: 1000 }\ntenants:\n  \
+                      t:\n    routes:\n      /r: { algorithm: token_bucket, rate: 10/s, burst: 10 }\n";
+        std::fs::write(&path, policy).unwrap();
+        let clock: Arc<dyn Clock> = Arc::new(ManualClock::new(1_000 * NANOS_PER_SEC));
+        let policies = Arc::new(PolicyHolder::load(&path, clock.clone()).unwrap());
+        let config = ServerConfig::for_policy(&path).unwrap();
+        let store = crate::store::Store::memory(10_000, 1_000, false);
+        let owner = Arc::new(Owner::new(policies, store, clock.clone(), config.limits));
+        let (tx, rx) = mpsc::channel(16);
+        let s = Session {
+            owner,
+            mapping: Arc::new(config.envoy),
+            config: config.rlqs,
+            holder: "rlqs:test:1".into(),
+            domain: Some("t".into()),
+            buckets: HashMap::new(),
+            total: Arc::default(),
+            report_gap: 0,
+            last_message: 0,
+            tx,
+        };
+        (s, clock.now(), rx)
+    }
+
+    type Sends = mpsc::Receiver<Result<rlqs::RateLimitQuotaResponse, Status>>;
+
+    /// A bucket of `/r` holding 1 a second (paid 50 ms ahead) whose part rose to 5 a
+    /// second, with the credit for a new bucket.
+    fn rising(now: Nanos) -> Bucket {
+        let mut b = bucket(8.0);
+        b.tenant = "t".into();
+        b.sent = Some(Sent::Tokens { max_tokens: 2, tokens: 1, fill_secs: 1 });
+        (b.part, b.credit, b.credited_at) = (5.0, 3.0, now);
+        (b.since, b.reported, b.last_traffic, b.sent_at) = (now, now, now, now);
+        b.paid_until = now + NANOS_PER_SEC / 20;
+        b
+    }
+
+    async fn left(s: &Session) -> u64 {
+        let u = s.owner.usage(&Request::new("t", "/r")).await.unwrap();
+        u.levels.iter().map(|l| l.remaining).min().unwrap()
+    }
+
+    #[tokio::test]
+    async fn a_rise_keeps_with_the_keeps_then_buys_with_the_keeps_units_handed_back() {
+        let dir = tempfile::tempdir().unwrap();
+        let (mut s, now, _sent) = stream(&dir);
+        s.buckets.insert("b".into(), rising(now));
+        let m = s.moment(now);
+        let (keeps, buys) = s.plan(false, &m, &mut Vec::new());
+        assert!(buys.is_empty());
+        assert_eq!(keeps.len(), 1);
+        // Its keep (1 unit: to the horizon at 1 a second), and the rise's ask after:
+        // a new bucket of 2 tokens and 5 a second to the horizon.
+        assert_eq!((keeps[0].item.want, keeps[0].rise.map(|r| r.0)), (1, Some(5)));
+        s.buckets.insert("b".into(), rising(now));
+        assert_eq!(left(&s).await, 10);
+        s.round(false).await;
+        let b = &s.buckets["b"];
+        // A new bucket (the grant's part, 10 a second, is above its demand's 8: the
+        // 5 units granted buy what they pay for, 14 tokens over 3 s), paid to the
+        // horizon.
+        assert_eq!(b.sent, Some(Sent::Tokens { max_tokens: 2, tokens: 14, fill_secs: 3 }));
+        assert!(b.paid_until >= m.horizon, "{} < {}", b.paid_until, m.horizon);
+        // Its 5 units are all that is out: the keep's unit went back with the ask.
+        assert_eq!((b.lease.1, left(&s).await), (0, 5));
+    }
+
+    #[tokio::test]
+    async fn a_rise_that_cannot_be_paid_keeps_what_it_holds() {
+        let dir = tempfile::tempdir().unwrap();
+        let (mut s, now, _sent) = stream(&dir);
+        // Others spent all but 1 unit: the keep's.
+        let spend = Request::new("t", "/r").with_cost(9);
+        let api = crate::metrics::Api::Native;
+        s.owner
+            .decide(api, &[spend], crate::owner::Charge::Each, crate::owner::Report::Now)
+            .await
+            .unwrap();
+        s.buckets.insert("b".into(), rising(now));
+        s.round(false).await;
+        let b = &s.buckets["b"];
+        assert_eq!(b.sent, Some(Sent::Tokens { max_tokens: 2, tokens: 1, fill_secs: 1 }));
+        assert_eq!(b.paid_until, now + NANOS_PER_SEC / 20 + NANOS_PER_SEC);
+        assert_eq!(left(&s).await, 0);
     }
 }

@@ -1712,8 +1712,7 @@ mod tests {
         let clock: Arc<dyn Clock> = Arc::new(ManualClock::new(1_000 * NANOS_PER_SEC));
         let policies = Arc::new(PolicyHolder::load(&path, clock.clone()).unwrap());
         let config = ServerConfig::for_policy(&path).unwrap();
-        let store = crate::store::Store::memory(10_000, 1_000, false);
-        let owner = Arc::new(Owner::new(policies, store, clock.clone(), config.limits));
+        let owner = Arc::new(Owner::in_memory(policies, clock.clone(), config.limits));
         let (tx, rx) = mpsc::channel(16);
         let s = Session {
             owner,

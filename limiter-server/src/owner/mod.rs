@@ -211,6 +211,16 @@ impl std::fmt::Debug for Owner {
 }
 
 impl Owner {
+    /// An owner on the memory store, for the upper layers' unit tests.
+    #[cfg(test)]
+    pub(crate) fn in_memory(
+        policies: Arc<PolicyHolder>,
+        clock: Arc<dyn Clock>,
+        limits: Limits,
+    ) -> Self {
+        Self::new(policies, Store::memory(10_000, 1_000, false), clock, limits)
+    }
+
     /// An owner over a loaded policy and a store.
     pub fn new(
         policies: Arc<PolicyHolder>,

@@ -115,29 +115,21 @@ struct Tokens {
 impl Tokens {
     /// Takes a token if it holds one; the refill it could not hold, if any.
     fn take(&mut self, now: Nanos) -> (bool, f64) {
-        let dt = now.saturating_sub(self.last) as f64 / NANOS_PER_SEC as f64;
+        let lost;
+        (self.tokens, lost) = self.left_at(now);
         self.last = now;
-        let filled = self.tokens + dt * self.rate;
-        self.tokens = filled.min(self.max);
-        let lost = (filled - self.max).max(0.0);
-        (self.take_one(), lost)
+        let ok = self.tokens >= 1.0;
+        if ok {
+            self.tokens -= 1.0;
+        }
+        (ok, lost)
     }
 
-    /// Its tokens and the refill it could not hold, brought up to `now` (it is being
-    /// replaced).
+    /// Its tokens and the refill it could not hold, brought up to `now`.
     fn left_at(&self, now: Nanos) -> (f64, f64) {
         let dt = now.saturating_sub(self.last) as f64 / NANOS_PER_SEC as f64;
         let filled = self.tokens + dt * self.rate;
         (filled.min(self.max), (filled - self.max).max(0.0))
-    }
-
-    fn take_one(&mut self) -> bool {
-        if self.tokens >= 1.0 {
-            self.tokens -= 1.0;
-            true
-        } else {
-            false
-        }
     }
 }
 

@@ -351,8 +351,8 @@ struct Planned {
     keep_need: Option<u64>,
     item: pb::LeaseItem,
     /// A keep that is to rise: the new bucket's ask and the time it pays for, asked
-    /// after the keeps (see [`Session::round`]).
-    rise: Option<(u64, Nanos)>,
+    /// after the keeps (see [`Session::round`]), and what it holds.
+    rise: Option<(u64, Nanos, Sent)>,
 }
 
 /// What a round (or a drain) sent and paid, for the metrics.
@@ -1203,31 +1203,26 @@ impl Session {
         // for the new bucket sent to `DENY_ALL` for a second so). Its keep's grant goes
         // back whole in the same item as its new bucket's ask, so that the ask finds
         // at least the keep's units; the keep is settled again with it.
-        let rises: Vec<_> = keeps
-            .iter()
-            .filter_map(|p| {
-                let (want, paid_for) = p.rise?;
-                let b = self.buckets.get(&p.name)?;
-                Some((p.name.clone(), p.keep_need, want, paid_for, b.paid_until, b.credit, b.sent))
-            })
-            .collect();
+        let rises: Vec<_> =
+            keeps.iter().filter_map(|p| Some((p.name.clone(), p.keep_need?, p.rise?))).collect();
         if kept_any {
             self.pay_and_settle(keeps, m, &mut tally, &mut actions).await;
         }
-        for (name, keep_need, want, paid_for, paid_until, credit, sent) in rises {
+        for (name, need, (want, paid_for, held)) in rises {
             let Some(b) = self.buckets.get_mut(&name) else { continue };
-            if b.sent != sent {
+            if b.sent != Some(held) {
                 // Its keep fell short: it changed already.
                 continue;
             }
-            // The keep undone: what it used goes back with the ask.
-            let used = whole((credit - b.credit).round());
-            (b.paid_until, b.credit) = (paid_until, credit);
-            b.lease.1 = b.lease.1.saturating_add(used);
-            tally.paid = tally.paid.saturating_sub(used);
+            // The keep undone (it used its `need`, paid until that much later): its
+            // units go back with the ask.
+            b.paid_until = b.paid_until.saturating_sub(nanos_for(need, held.rate()));
+            b.credit += need as f64;
+            b.lease.1 = b.lease.1.saturating_add(need);
+            tally.paid = tally.paid.saturating_sub(need);
             tally.extended = tally.extended.saturating_sub(1);
             let item = b.item(want.max(1), paid_for);
-            buys.push(Planned { name, keep_need, item, rise: None });
+            buys.push(Planned { name, keep_need: Some(need), item, rise: None });
         }
         if !buys.is_empty() {
             if kept_any && !fresh_only {
@@ -1307,7 +1302,7 @@ impl Session {
             {
                 // A rise: its keep first, its new bucket after (see `round`).
                 let item = b.item(need, m.period_nanos);
-                keeps.push(Planned { item, rise: Some((want, paid_for)), ..planned });
+                keeps.push(Planned { item, rise: Some((want, paid_for, held)), ..planned });
             } else {
                 buys.push(planned);
             }

@@ -16,7 +16,6 @@ use crate::config::ServerConfig;
 use crate::metrics::Api;
 use crate::owner::reload::PolicyHolder;
 use crate::owner::{Charge, Owner, Report};
-use crate::store::Store;
 
 const POLICY: &str = "version: 1
 tenants:
@@ -87,7 +86,7 @@ fn owner(clock: &ManualClock, dir: &tempfile::TempDir) -> Owner {
     let clock: Arc<dyn Clock> = Arc::new(clock.clone());
     let policies = Arc::new(PolicyHolder::load(&path, clock.clone()).unwrap());
     let limits = ServerConfig::for_policy(&path).unwrap().limits;
-    Owner::new(policies, Store::memory(10_000, 1_000, false), clock, limits)
+    Owner::in_memory(policies, clock, limits)
 }
 
 async fn in_use(owner: &Owner, key: usize) -> (u64, u64) {

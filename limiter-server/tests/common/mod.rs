@@ -105,6 +105,12 @@ impl TestServer {
         Self::start_with(policy, &[]).await
     }
 
+    /// This server's decision logic (its store, leases and policies), for what the
+    /// process-wide metrics cannot tell apart between the servers of one test binary.
+    pub(crate) fn owner(&self) -> &std::sync::Arc<limiter_server::owner::Owner> {
+        &self.running.owner
+    }
+
     pub(crate) async fn native(&self) -> RateLimiterClient<Channel> {
         RateLimiterClient::connect(format!("http://{}", self.grpc)).await.unwrap()
     }

@@ -361,7 +361,7 @@ impl Inner {
             // its lapse, so that the answer is here when it does (a request after it
             // would otherwise wait for the owner).
             if let Some(ask) = self.before_lapse(st, now) {
-                return When::near(ask.min(idle_at));
+                return When::at(ask.min(idle_at));
             }
             return When::by((now + self.rationed_every()).min(idle_at));
         }

@@ -87,8 +87,8 @@ async fn permits_are_lent_and_returned_locally_never_above_the_limit() {
 }
 
 /// Ten agents each run requests of random length on one limit of 6 for 3 seconds:
-/// in flight never above 6 (counted by the test), every agent served, and most
-/// permits taken with no call.
+/// in flight never above 6 (counted by the test), and every agent served at least
+/// half of an even share.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn ten_agents_never_hold_more_than_the_limit_and_all_are_served() {
     const LIMIT: u64 = 6;
@@ -141,9 +141,10 @@ tenants:
     let total: u64 = each.iter().sum();
     let worst = worst.load(Ordering::SeqCst);
     println!("admitted {total} {each:?}, owner calls {calls}, most in flight {worst}");
-    // No agent kept out: each gets at least a quarter of an even share.
+    // No agent kept out: the owner serves waiting pools in turn, and each pool's
+    // turn with a block lasts a round, so each gets at least half of an even share.
     let least = each.iter().copied().min().unwrap_or(0);
-    assert!(least * 40 >= total, "an agent got {least} of {total}: {each:?}\n{all_stats:#?}");
+    assert!(least * 20 >= total, "an agent got {least} of {total}: {each:?}\n{all_stats:#?}");
     assert!(worst <= LIMIT, "{worst} in flight with a limit of {LIMIT}");
     assert_eq!(worst, LIMIT, "the limit was reached (the test can see an excess)");
 }

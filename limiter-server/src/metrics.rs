@@ -205,8 +205,15 @@ pub fn handle() -> &'static PrometheusHandle {
 }
 
 /// What happens to permits (the `event` label of [`PERMITS`]).
-pub const PERMIT_EVENTS: &[&str] =
-    &["acquired", "released", "renewed", "late_release", "late_renewal", "forgotten"];
+pub const PERMIT_EVENTS: &[&str] = &[
+    "acquired",
+    "released",
+    "renewed",
+    "late_release",
+    "late_renewal",
+    "forgotten",
+    "held_for_waiters",
+];
 
 /// Why counters began afresh: owner and replica both lost; the replica held was
 /// behind (incomplete, stale, or from another ring); no replica was kept; a live

@@ -36,6 +36,7 @@ fn release(permit: &str) -> pb::ReleaseRequest {
         route: "/export".into(),
         key: String::new(),
         permit: permit.into(),
+        turn: 0,
     }
 }
 
@@ -200,6 +201,75 @@ macro_rules! store_tests {
             let u = usage(c.clone()).await;
             assert_eq!(u.levels[0].remaining, 1000 - g.units);
             assert_eq!((u.held_permits, u.levels[1].remaining), (0, 2), "no permit held");
+            s.stop().await;
+        }
+
+        #[tokio::test]
+        async fn permits_that_come_back_go_to_the_caller_that_waited_longest() {
+            let s = TestServer::start_on(BACKEND, POLICY).await;
+            let mut c = s.native().await;
+            let waiting = |turn: u64| pb::ShouldAllowRequest { turn: Some(turn), ..export() };
+            let a = c.should_allow(export()).await.unwrap().into_inner();
+            let b = c.should_allow(export()).await.unwrap().into_inner();
+            assert!(a.allowed && b.allowed);
+            // Full: a caller that asks to wait gets a turn; one that does not, none.
+            let plain = c.should_allow(export()).await.unwrap().into_inner();
+            assert!(!plain.allowed);
+            assert_eq!(plain.turn, 0, "no turn unless asked for");
+            let first = c.should_allow(waiting(0)).await.unwrap().into_inner();
+            let second = c.should_allow(waiting(0)).await.unwrap().into_inner();
+            assert!(!first.allowed && !second.allowed);
+            assert_eq!(first.reason(), pb::Reason::TenantRouteLimit);
+            let (t1, t2) = (first.turn, second.turn);
+            assert!(t1 != 0 && t2 != 0 && t1 != t2, "{t1} {t2}");
+            // A permit comes back: neither a newcomer, nor a turn nobody gave, nor
+            // the second waiter takes it before the first.
+            c.release(release(&a.permit.unwrap().id)).await.unwrap();
+            let mut forged = 0;
+            for (who, req) in [
+                ("a newcomer", export()),
+                ("a forged turn", waiting(t1 ^ t2 | 1)),
+                ("the second waiter", waiting(t2)),
+            ] {
+                let r = c.should_allow(req).await.unwrap().into_inner();
+                assert!(!r.allowed, "{who} took the first waiter's permit");
+                assert_eq!(r.reason(), pb::Reason::TenantRouteLimit, "{who}");
+                if who == "a forged turn" {
+                    // A new place at the back, not the turn it named.
+                    assert!(r.turn != 0 && r.turn != t1 && r.turn != t2, "{r:?}");
+                    forged = r.turn;
+                }
+            }
+            let got = c.should_allow(waiting(t1)).await.unwrap().into_inner();
+            assert!(got.allowed, "the first waiter is served: {got:?}");
+            assert_eq!(got.turn, 0);
+            // The next permit is the second waiter's; it kept its place by asking.
+            c.release(release(&b.permit.unwrap().id)).await.unwrap();
+            assert!(!c.should_allow(export()).await.unwrap().into_inner().allowed);
+            let got2 = c.should_allow(waiting(t2)).await.unwrap().into_inner();
+            assert!(got2.allowed, "the second waiter is served: {got2:?}");
+            // Then the forged caller's, at the back of the line behind them.
+            c.release(release(&got.permit.unwrap().id)).await.unwrap();
+            let late = c.should_allow(waiting(0)).await.unwrap().into_inner();
+            assert!(!late.allowed && late.turn != 0, "{late:?}");
+            let got3 = c.should_allow(waiting(forged)).await.unwrap().into_inner();
+            assert!(got3.allowed, "{got3:?}");
+            // A waiter that gives up its place (Release with its turn) leaves the
+            // line at once: what it waited for is free again for anyone.
+            c.release(release(&got3.permit.unwrap().id)).await.unwrap();
+            assert!(!c.should_allow(export()).await.unwrap().into_inner().allowed, "reserved");
+            let leave = pb::ReleaseRequest { turn: late.turn, ..release("") };
+            let left = c.release(leave).await.unwrap().into_inner();
+            assert!(!left.released && left.units == 0, "{left:?}");
+            let x = c.should_allow(export()).await.unwrap().into_inner();
+            assert!(x.allowed, "given up: {x:?}");
+            // One that stops asking leaves it a fifth of a second after its last ask.
+            let quiet = c.should_allow(waiting(0)).await.unwrap().into_inner();
+            assert!(!quiet.allowed && quiet.turn != 0);
+            c.release(release(&x.permit.unwrap().id)).await.unwrap();
+            assert!(!c.should_allow(export()).await.unwrap().into_inner().allowed, "reserved");
+            tokio::time::sleep(Duration::from_millis(250)).await;
+            assert!(c.should_allow(export()).await.unwrap().into_inner().allowed, "lapsed");
             s.stop().await;
         }
 

@@ -72,6 +72,12 @@ fn request(rng: &mut Rng) -> pb::ShouldAllowRequest {
         dry_run: rng.chance(10),
         report_later: false,
         permit_block: false,
+        // A place in a concurrency level's line: none, asked for, or any number.
+        turn: match rng.range(0, 5) {
+            0 => Some(0),
+            1 => Some(rng.range(1, u64::MAX - 1)),
+            _ => None,
+        },
     }
 }
 

@@ -286,6 +286,7 @@ impl Agent {
             route: permit.route.clone(),
             key: permit.key.clone(),
             permit: permit.id.clone(),
+            turn: 0,
         };
         let mut client = self.inner.client.clone();
         Ok(self.within_timeout(client.release(req)).await?.released)

@@ -13,6 +13,11 @@
 //! not ask for one again for [`YIELD`]: its own next request would otherwise reach
 //! the owner first (its release and its ask leave together) and take the same
 //! permits back, and the agents that wait would never see them.
+//!
+//! A refused pool waits in the owner's line for its levels: it sends the turn the
+//! refusal gave with its next ask, and the permits that come back go to the pools
+//! that have waited longest (agents that retry in step would otherwise race, and the
+//! same one would lose every time).
 
 use super::*;
 use crate::pool::PermitPool;
@@ -53,6 +58,8 @@ pub(super) struct Pool {
     wake: tokio::sync::Notify,
     /// When the pool last gave a block back because others waited.
     yielded_at: AtomicU64,
+    /// The pool's place in the owner's line for its levels' permits (0: none).
+    turn: AtomicU64,
 }
 
 #[derive(Debug, Default)]
@@ -66,6 +73,8 @@ struct Blocks {
 struct Block {
     id: String,
     units: u64,
+    /// When it was issued (agent clock, when asked for).
+    since: Nanos,
     /// Renewed from then (half its TTL).
     renew_at: Nanos,
     /// Ours until then (agent clock, less the margin).
@@ -439,12 +448,12 @@ impl Inner {
     ) -> Result<Took, AgentError> {
         let pool = slot.pool.get_or_init(|| Box::new(Pool::default()));
         if let Some(p) = slot.take_permit(self.clock.now(), cost) {
-            return Ok(Took::Permit(p, false));
+            return Ok(self.served_here(slot, pool, p));
         }
         let _one = pool.growing.lock().await;
         let now = self.clock.now();
         if let Some(p) = slot.take_permit(now, cost) {
-            return Ok(Took::Permit(p, false));
+            return Ok(self.served_here(slot, pool, p));
         }
         // Gave a block back to agents that wait: they ask first.
         let yielded = pool.yielded_at.load(Ordering::Relaxed);
@@ -455,7 +464,7 @@ impl Inner {
             // Meanwhile a permit may have come back here.
             let now = self.clock.now();
             if let Some(p) = slot.take_permit(now, cost) {
-                return Ok(Took::Permit(p, false));
+                return Ok(self.served_here(slot, pool, p));
             }
             now
         } else {
@@ -474,7 +483,8 @@ impl Inner {
         };
         for _ in 0..3 {
             let sent_at = self.clock.now();
-            let d = match self.ask_block(slot, ask).await {
+            let turn = pool.turn.load(Ordering::Relaxed);
+            let d = match self.ask_block(slot, ask, turn).await {
                 Ok(d) => d,
                 Err(s) if s.code() == tonic::Code::InvalidArgument => {
                     // The chain lost its concurrency level (a new policy), or the
@@ -493,12 +503,14 @@ impl Inner {
                     return Ok(Took::Answer(from_owner(&d)));
                 }
                 pool.refused_at.store(self.clock.now(), Ordering::Relaxed);
+                pool.turn.store(d.turn, Ordering::Relaxed);
                 if ask > cost {
                     ask = cost;
                     continue;
                 }
                 return Ok(Took::Answer(from_owner(&d)));
             };
+            pool.turn.store(0, Ordering::Relaxed);
             let ttl = duration_nanos(p.expires_in.as_ref());
             self.add_block(slot, pool, p.id.clone(), p.units.max(ask), sent_at, ttl);
             if let Some(p) = slot.take_permit(self.clock.now(), cost) {
@@ -529,7 +541,14 @@ impl Inner {
             pool.atomics.add(k.units, k.ends);
         }
         pool.draining.store(false, Ordering::Relaxed);
-        b.held.push(Block { id, units, renew_at: sent_at + ttl / 2, ends, draining: false });
+        b.held.push(Block {
+            id,
+            units,
+            since: sent_at,
+            renew_at: sent_at + ttl / 2,
+            ends,
+            draining: false,
+        });
         pool.atomics.add(units, ends);
         pool.tidy(&mut b, self.clock.now());
         if !b.tending {
@@ -545,11 +564,13 @@ impl Inner {
         Margin { permille, at_least: 1 }.spendable_until(sent_at, ttl)
     }
 
-    /// One permit-block call, within the RPC timeout (counted on the breaker).
+    /// One permit-block call, within the RPC timeout (counted on the breaker), holding
+    /// the pool's place `turn` in the owner's line (0: none yet).
     async fn ask_block(
         &self,
         slot: &Slot,
         units: u64,
+        turn: u64,
     ) -> Result<pb::ShouldAllowResponse, tonic::Status> {
         let (tenant, route, key) = slot.key.parts();
         let req = pb::ShouldAllowRequest {
@@ -558,6 +579,7 @@ impl Inner {
             key: key.to_owned(),
             cost: Some(units),
             permit_block: true,
+            turn: Some(turn),
             ..Default::default()
         };
         let mut client = self.client.clone();
@@ -599,12 +621,18 @@ impl Inner {
             let mut due: Vec<String> =
                 b.held.iter().filter(|k| k.renew_at <= now).map(|k| k.id.clone()).collect();
             // A pool that lent all it holds may be keeping others waiting: one of
-            // its blocks is renewed early to learn whether they are (once a round).
+            // its blocks held for a round at least is renewed early to learn whether
+            // they are (once a round). A block is never asked about sooner: the
+            // pools that wait are given blocks in turn, and one given back after a
+            // request or two would leave its pool a sliver of the time the pools
+            // that kept theirs for a round had.
             let cap = pool.units().0;
+            let round = nanos(self.config.renew_interval);
             if due.is_empty()
                 && cap > 0
                 && peak >= cap
-                && let Some(k) = b.held.iter().find(|k| !k.draining)
+                && let Some(k) =
+                    b.held.iter().find(|k| !k.draining && now.saturating_sub(k.since) >= round)
             {
                 due.push(k.id.clone());
             }
@@ -639,8 +667,14 @@ impl Inner {
         }
         let b = pool.blocks.lock();
         let renew = b.held.iter().map(|k| k.renew_at).min()?;
-        // Looked at every renewal interval for blocks not needed any more.
-        Some(renew.min(self.clock.now() + nanos(self.config.renew_interval)))
+        // Looked at every renewal interval for blocks not needed any more, and when
+        // a block has been held for a round (to be asked about then, not a round
+        // later: each pool's turn with a block lasts as long as the others').
+        let round = nanos(self.config.renew_interval);
+        let now = self.clock.now();
+        let held_a_round =
+            b.held.iter().filter(|k| !k.draining).map(|k| k.since + round).filter(|&at| at > now);
+        Some(held_a_round.fold(renew.min(now + round), Nanos::min))
     }
 
     /// Renews (`renew`) or releases a block; a renewal's answer is its new TTL and
@@ -662,7 +696,7 @@ impl Inner {
             .await
             .map(|r| (duration_nanos(r.expires_in.as_ref()), r.contended))
         } else {
-            let req = pb::ReleaseRequest { tenant, route, key, permit: id };
+            let req = pb::ReleaseRequest { tenant, route, key, permit: id, turn: 0 };
             self.counted_call(
                 async move { client.release(req).await.map(tonic::Response::into_inner) },
             )
@@ -671,9 +705,50 @@ impl Inner {
         }
     }
 
+    /// Gives up the pool's place in the owner's line, if it holds one (it no longer
+    /// waits: served by its own blocks, or stopping).
+    async fn leave_line(&self, slot: &Slot, pool: &Pool) {
+        let turn = pool.turn.swap(0, Ordering::Relaxed);
+        if turn == 0 {
+            return;
+        }
+        let (tenant, route, key) = slot.key.parts();
+        let req = pb::ReleaseRequest {
+            tenant: tenant.to_owned(),
+            route: route.to_owned(),
+            key: key.to_owned(),
+            permit: String::new(),
+            turn,
+        };
+        let mut client = self.client.clone();
+        let left = self
+            .counted_call(async move { client.release(req).await.map(tonic::Response::into_inner) })
+            .await;
+        if let Err(e) = left {
+            // Its place lapses at the owner within a fifth of a second.
+            tracing::debug!(error = %e, "place in line not given up");
+        }
+    }
+
+    /// A permit taken from the pool by a request that had to ask: the pool waits no
+    /// longer, so its place in the owner's line (if any) is given up, off the
+    /// request's path.
+    fn served_here(self: &Arc<Self>, slot: &Arc<Slot>, pool: &Pool, p: LocalPermit) -> Took {
+        if pool.turn.load(Ordering::Relaxed) != 0 {
+            let (inner, slot) = (self.clone(), slot.clone());
+            tokio::spawn(async move {
+                if let Some(pool) = slot.pool.get() {
+                    inner.leave_line(&slot, pool).await;
+                }
+            });
+        }
+        Took::Permit(p, false)
+    }
+
     /// Gives every block of `slot`'s pool back (a stopping gateway).
     pub(super) async fn give_back_blocks(&self, slot: &Slot) {
         let Some(pool) = slot.pool.get() else { return };
+        self.leave_line(slot, pool).await;
         let ids: Vec<String> = {
             let mut b = pool.blocks.lock();
             let held = std::mem::take(&mut b.held);

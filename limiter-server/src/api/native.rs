@@ -129,6 +129,12 @@ impl RateLimiter for NativeService {
             return Ok(Response::new(answer));
         }
         let core = named(&r.tenant, &r.route, &r.key, false);
+        if r.turn != 0 {
+            self.owner.leave_line(&core, r.turn).map_err(refuse)?;
+            if r.permit.is_empty() {
+                return Ok(Response::new(pb::ReleaseResponse { released: false, units: 0 }));
+            }
+        }
         let done = self.owner.release(&core, &r.permit).await.map_err(refuse)?;
         Ok(Response::new(pb::ReleaseResponse { released: done.released, units: done.units }))
     }

@@ -102,8 +102,16 @@ async fn decide_here(
                 tokio::task::yield_now().await;
             }
             let core: Vec<Request<'_>> = part.iter().map(|&i| convert::request(&reqs[i])).collect();
+            let turns: Vec<Option<u64>> = part.iter().map(|&i| reqs[i].turn).collect();
             let o = owner
-                .decide_with(Api::Native, &core, Charge::Each, Report::Now, Reach::of(unreachable))
+                .decide_waiting(
+                    Api::Native,
+                    &core,
+                    &turns,
+                    Charge::Each,
+                    Report::Now,
+                    Reach::of(unreachable),
+                )
                 .await
                 .map_err(|(j, e)| (part[j], e))?;
             out.extend(o);
@@ -114,9 +122,10 @@ async fn decide_here(
         let core = convert::request(&reqs[i]);
         let api = if reqs[i].permit_block { Api::Permits } else { Api::Native };
         let o = owner
-            .decide_with(
+            .decide_waiting(
                 api,
                 std::slice::from_ref(&core),
+                &[reqs[i].turn],
                 Charge::Each,
                 if reqs[i].report_later { Report::Later } else { Report::Now },
                 Reach::of(unreachable),

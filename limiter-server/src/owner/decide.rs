@@ -86,6 +86,31 @@ impl Owner {
         refuse(&last, 1_000_000, false)
     }
 
+    /// A refusal of `req` (holding `turn`) when one of its chain's concurrency levels
+    /// has waiters ahead of it and cannot hold its cost on top of theirs: a dry run
+    /// of that level alone, with the waiters' units added. `None`: nobody is ahead,
+    /// or there is room for all.
+    async fn behind_waiters(
+        &self,
+        req: &Request<'_>,
+        chain: &Chain<'_>,
+        turn: Option<u64>,
+        now: Nanos,
+    ) -> Result<Option<Verdict>, ServerError> {
+        for (scope, ahead) in self.turns.ahead(chain, turn, now) {
+            let mut probe =
+                chain.retain_levels(|l| l.scope == scope && l.rule.limit.is_concurrency());
+            probe.cost = chain.cost.saturating_add(ahead);
+            probe.dry_run = true;
+            let (v, _) = self.decide_one(req, &probe, now).await?;
+            if !v.decision.is_allowed() {
+                metrics::counter!(m::PERMITS, "event" => "held_for_waiters").increment(1);
+                return Ok(Some(Verdict { decision: v.decision, shadow: chain.shadow }));
+            }
+        }
+        Ok(None)
+    }
+
     /// Decides `requests` in order (their owner is this node). See [`Self::decide_with`].
     ///
     /// # Errors
@@ -135,7 +160,29 @@ impl Owner {
         report: Report,
         reach: Reach,
     ) -> Result<Vec<Outcome>, (usize, ServerError)> {
-        self.decide_with_extra(api, requests, &[], charge, report, reach).await
+        self.decide_all(api, requests, Brought::default(), charge, report, reach).await
+    }
+
+    /// Like [`Self::decide_with`], request `i` holding its place `turns[i]` in the
+    /// lines of its chain's concurrency levels (see [`super::turns`]): `None` waits in
+    /// no line; `Some(0)` asks for a turn should a concurrency level refuse it; any
+    /// other value is a turn given before. A refusal by a concurrency level answers
+    /// with the caller's turn ([`Outcome::turn`]).
+    ///
+    /// # Errors
+    ///
+    /// As [`Self::decide_with`].
+    pub async fn decide_waiting(
+        &self,
+        api: Api,
+        requests: &[Request<'_>],
+        turns: &[Option<u64>],
+        charge: Charge,
+        report: Report,
+        reach: Reach,
+    ) -> Result<Vec<Outcome>, (usize, ServerError)> {
+        let brought = Brought { extra: &[], turns };
+        self.decide_all(api, requests, brought, charge, report, reach).await
     }
 
     /// Like [`Self::decide_with`], request `i` also checked against `extra[i]`, a
@@ -154,6 +201,20 @@ impl Owner {
         report: Report,
         reach: Reach,
     ) -> Result<Vec<Outcome>, (usize, ServerError)> {
+        let brought = Brought { extra, turns: &[] };
+        self.decide_all(api, requests, brought, charge, report, reach).await
+    }
+
+    async fn decide_all(
+        &self,
+        api: Api,
+        requests: &[Request<'_>],
+        brought: Brought<'_, '_>,
+        charge: Charge,
+        report: Report,
+        reach: Reach,
+    ) -> Result<Vec<Outcome>, (usize, ServerError)> {
+        let Brought { extra, turns } = brought;
         let unreachable = reach == Reach::Unreachable;
         let started = self.clock.now();
         let active = self.policies.current();
@@ -200,6 +261,18 @@ impl Owner {
             let envoy_permit = (api == Api::Envoy)
                 .then(|| chain.levels().find(|l| l.rule.limit.is_concurrency()))
                 .flatten();
+            let turn = turns.get(i).copied().flatten();
+            // Callers that wait in line are served first: a request is refused while
+            // its levels cannot hold it on top of what the waiters ahead wait for.
+            let behind = if envoy_permit.is_none()
+                && !unreachable
+                && !chain.dry_run
+                && permits::first_level(chain).is_some()
+            {
+                self.behind_waiters(req, chain, turn, now).await
+            } else {
+                Ok(None)
+            };
             let decided = if let Some(level) = envoy_permit {
                 // Envoy cannot release a permit: refused, never a free pass and never
                 // a permit held for nobody.
@@ -213,6 +286,10 @@ impl Owner {
                 Ok((Verdict { decision, shadow: chain.shadow }, Charged { at: now, hold: 0 }))
             } else if unreachable {
                 Err(ServerError::Unavailable("the tenant's owner is unreachable".into()))
+            } else if let Some(v) = behind.as_ref().ok().copied().flatten() {
+                Ok((v, Charged { at: now, hold: 0 }))
+            } else if let Err(e) = behind {
+                Err(e)
             } else {
                 // The request's class takes its share first; what the store then
                 // refuses goes back to it.
@@ -272,10 +349,18 @@ impl Owner {
                 _ => 0,
             };
             active.counters.record(api, req.route, &verdict);
+            let mut my_turn = None;
             if let Decision::Rejected { scope, limit: Some(l), .. } = verdict.decision
                 && l.is_concurrency()
             {
                 self.permits.refused(chain, scope, now);
+                if let Some(t) = turn
+                    && !fell_back
+                {
+                    my_turn = Some(self.turns.wait(chain, scope, t, chain.cost, now));
+                }
+            } else if let Some(t) = turn.filter(|&t| t != 0 && verdict.decision.is_allowed()) {
+                self.turns.served(chain, t);
             }
             self.heavy.record(req.tenant, req.key, verdict.decision.is_allowed(), charged);
             if !verdict.decision.is_allowed() {
@@ -311,6 +396,7 @@ impl Owner {
                 ticket,
                 permit,
                 share_class,
+                turn: my_turn,
             });
             if !taken.is_empty() {
                 shares_taken.push(taken);
@@ -421,6 +507,19 @@ impl Owner {
         }
         metrics::counter!(m::PERMITS, "event" => "released").increment(1);
         Ok(Released { released: true, units: p.units })
+    }
+
+    /// Takes the caller holding `turn` out of the lines of `req`'s concurrency levels
+    /// (it waits no longer). A turn that is in no line changes nothing.
+    ///
+    /// # Errors
+    ///
+    /// Malformed names, or a chain without a concurrency level.
+    pub fn leave_line(&self, req: &Request<'_>, turn: u64) -> Result<(), ServerError> {
+        let active = self.policies.current();
+        let chain = self.permit_chain(&active, req)?;
+        self.turns.served(&chain, turn);
+        Ok(())
     }
 
     /// Extends a held permit by its levels' TTL from now, and returns when it is
@@ -576,6 +675,15 @@ pub struct Usage {
     pub unknown_tenant: bool,
     /// When the levels were read (nanoseconds since the Unix epoch).
     pub now: Nanos,
+}
+
+/// What requests bring besides themselves, by index (missing: nothing).
+#[derive(Debug, Default, Clone, Copy)]
+struct Brought<'x, 'r> {
+    /// A limit of its own (Envoy's per-descriptor override).
+    extra: &'x [Option<Extra<'r>>],
+    /// Its place in the lines of concurrency levels.
+    turns: &'x [Option<u64>],
 }
 
 /// A limit a request brings with it, checked as a level of its own.

@@ -771,6 +771,7 @@ impl Owner {
             ticket: None,
             permit: None,
             share_class: None,
+            turn: None,
         };
         outcome.response()
     }

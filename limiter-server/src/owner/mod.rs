@@ -13,6 +13,7 @@ pub mod reload;
 mod shares;
 pub use shares::check_policy as check_shares;
 mod tickets;
+mod turns;
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -39,6 +40,7 @@ use crate::store::{Charged, Store};
 use self::permits::Permits;
 use self::shares::ShareGates;
 use self::tickets::Tickets;
+use self::turns::Turns;
 
 /// A route counts as in fallback this long after its last failure-policy decision.
 pub const FALLBACK_WINDOW: Nanos = 5 * NANOS_PER_SEC;
@@ -66,6 +68,9 @@ pub struct Outcome {
     pub permit: Option<(String, Nanos)>,
     /// The class whose share refused the request (`SHARE_LIMIT`).
     pub share_class: Option<Arc<str>>,
+    /// A refusal by a concurrency level of a caller that waits in line: its turn (0:
+    /// the line was full, no turn given).
+    pub turn: Option<u64>,
 }
 
 impl Outcome {
@@ -85,6 +90,7 @@ impl Outcome {
             ticket: None,
             permit: None,
             share_class: None,
+            turn: None,
         }
     }
 
@@ -103,6 +109,7 @@ impl Outcome {
                 units: o.charged,
             }),
             share_class: o.share_class.as_deref().unwrap_or_default().to_owned(),
+            turn: o.turn.unwrap_or_default(),
             ..Default::default()
         };
         let name = o.limit_name.as_deref();
@@ -191,6 +198,7 @@ pub struct Owner {
     limits: Limits,
     tickets: Tickets,
     permits: Permits,
+    turns: Turns,
     shares: ShareGates,
     ready: AtomicBool,
     latency: [Histogram; 4],
@@ -240,6 +248,7 @@ impl Owner {
                 max: limits.max_open_tickets,
             },
             permits: Permits::new(limits.max_held_permits),
+            turns: Turns::default(),
             shares: ShareGates::default(),
             ready: AtomicBool::new(false),
             latency: [Api::Native, Api::Envoy, Api::Lease, Api::Permits]

@@ -360,8 +360,12 @@ impl Inner {
             // A refusal that lapses before the next round: asked again just ahead of
             // its lapse, so that the answer is here when it does (a request after it
             // would otherwise wait for the owner).
+            // A hold-back's lapse may ride a round that comes a little before it
+            // (the owner judges shares with slack); a level's refusal would be
+            // refused again before its time, and gets a round of its own.
             if let Some(ask) = self.before_lapse(st, now) {
-                return When::at(ask.min(idle_at));
+                let at = ask.min(idle_at);
+                return if st.held_back { When::near(at) } else { When::at(at) };
             }
             return When::by((now + self.rationed_every()).min(idle_at));
         }
@@ -530,6 +534,7 @@ impl Inner {
         };
         self.learn_failure_policy(slot, &g);
         st.cut = g.units < want;
+        st.held_back = g.held_back;
         if g.permits_only {
             // Nothing but concurrency levels: the key's pool decides its requests.
             st.mode = Mode::Leased;

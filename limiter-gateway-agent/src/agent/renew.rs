@@ -185,6 +185,7 @@ pub(super) async fn renew_due(inner: &Inner) -> Option<Nanos> {
                 let gave_back = renewal.is_none();
                 if let Some((g, want)) = renewal.and_then(|(i, w)| Some((grants.get(i)?, w))) {
                     st.cut = g.units < want;
+                    st.held_back = g.held_back;
                     inner.renewed(slot, &mut st, g, now);
                 }
                 inner.schedule.at(slot, inner.next_due(slot, &st, back));

@@ -7,7 +7,9 @@
 //! before the next round, so that keys due at scattered instants share one call and
 //! rounds come no more often than every half `renew_interval`. A key whose renewal
 //! must not come early (a grant that ends with a window, renewed once the next window
-//! has begun; a hold shorter than a round) is taken only once its time has come.
+//! has begun; a hold shorter than a round; a level's refusal) is taken only once its
+//! time has come; a hold-back's lapse is asked about at its own time or by a round
+//! that comes up to [`NEAR`] before it.
 
 use std::cmp::Ordering as Order;
 use std::collections::BinaryHeap;
@@ -20,9 +22,10 @@ use parking_lot::Mutex;
 use super::slots::Slot;
 
 /// One entry: `slot` is due at a time, perhaps exactly (stale when the slot has been
-/// given another time since). 16 bytes: the time and the flag share a word.
+/// given another time since). 16 bytes: the time and the flags share a word.
 struct Due {
-    /// The time shifted left by one, and 1 when the key is not to be taken before it
+    /// The time shifted left by two; bit 0 set when the key gets a round at its own
+    /// time, bit 1 when a round that comes anyway may take it up to [`NEAR`] before
     /// (what the slot's `due` holds while this entry counts).
     packed: u64,
     slot: Arc<Slot>,
@@ -30,30 +33,51 @@ struct Due {
 
 impl Due {
     fn at(&self) -> Nanos {
-        self.packed >> 1
+        self.packed >> 2
     }
 
     fn exact(&self) -> bool {
         self.packed & 1 == 1
     }
+
+    fn near(&self) -> bool {
+        self.packed & 2 == 2
+    }
 }
 
-/// When a key falls due next, and whether it may be taken early.
+/// How long before its time a round that comes anyway takes a key due
+/// [`When::near`] it. A holder held back past its share near the limit (the
+/// owner's `held_back`) is asked about again as the hold-back lapses; the owner
+/// judges a share with a fiftieth of slack, about 29 ms of the holder's rate (its
+/// decayed total is about 1.44 s of it), so an ask up to this early is granted as
+/// one at the lapse would be, and the lapses of a gateway's keys held back at
+/// scattered instants share rounds. A level's refusal (a root ceiling's slice, a
+/// window) is not asked about early: it would be refused again.
+pub(super) const NEAR: Nanos = 25_000_000;
+
+/// When a key falls due next, and how early it may be taken.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) struct When {
     pub(super) at: Nanos,
     pub(super) exact: bool,
+    pub(super) near: bool,
 }
 
 impl When {
     /// Due at `at`, or up to half a round before.
     pub(super) fn by(at: Nanos) -> Self {
-        Self { at, exact: false }
+        Self { at, exact: false, near: false }
     }
 
     /// Due at `at`, not before.
     pub(super) fn at(at: Nanos) -> Self {
-        Self { at, exact: true }
+        Self { at, exact: true, near: false }
+    }
+
+    /// Due at `at`, with a round of its own then; a round that comes up to [`NEAR`]
+    /// before takes it.
+    pub(super) fn near(at: Nanos) -> Self {
+        Self { at, exact: true, near: true }
     }
 }
 
@@ -103,7 +127,9 @@ const SLACK: usize = 1_024;
 impl Schedule {
     /// `slot` is next due `when` (any earlier time it had no longer counts).
     pub(super) fn at(&self, slot: &Arc<Slot>, when: When) {
-        let packed = (when.at.clamp(1, Nanos::MAX >> 1) << 1) | u64::from(when.exact);
+        let packed = (when.at.clamp(1, Nanos::MAX >> 2) << 2)
+            | u64::from(when.exact)
+            | (u64::from(when.near) << 1);
         slot.due.store(packed, Ordering::Relaxed);
         let mut heap = self.heap.lock();
         heap.entries.push(Due { packed, slot: slot.clone() });
@@ -142,7 +168,8 @@ impl Schedule {
             .map(|d| if d.exact() { d.at() } else { d.at().saturating_sub(early).max(now + early) })
     }
 
-    /// The keys that ran low and those due by `now + early` (an exact key: by `now`),
+    /// The keys that ran low and those due by `now + early` (an exact key: by `now`;
+    /// one due near its time: by `now + NEAR`),
     /// at most `max` of the latter, each once; their due times are cleared.
     pub(super) fn take_due(&self, now: Nanos, early: Nanos, max: usize) -> Vec<Arc<Slot>> {
         let mut out = std::mem::take(&mut *self.wanted.lock());
@@ -151,14 +178,20 @@ impl Schedule {
         let mut not_yet = Vec::new();
         while taken < max {
             match heap.entries.peek() {
-                Some(d) if d.at() <= now + early => {}
+                Some(d) if d.at() <= now + early.max(NEAR) => {}
                 _ => break,
             }
             let d = heap.entries.pop().expect("peeked");
             if d.slot.due.load(Ordering::Relaxed) != d.packed {
                 continue;
             }
-            if d.exact() && d.at() > now {
+            // The latest time of the entries this round takes.
+            let by = match (d.exact(), d.near()) {
+                (false, _) => now + early,
+                (true, true) => now + NEAR,
+                (true, false) => now,
+            };
+            if d.at() > by {
                 not_yet.push(d);
                 continue;
             }
@@ -232,5 +265,24 @@ mod tests {
         assert_eq!(s.next(120, 50), Some(250));
         assert_eq!(s.take_due(250, 50, usize::MAX).len(), 1);
         assert!(s.next(250, 50).is_none());
+    }
+
+    #[test]
+    fn a_lapse_rides_a_round_that_comes_near_its_time_and_has_its_own_round_otherwise() {
+        let s = Schedule::default();
+        let (a, b, c) = (slot(), slot(), slot());
+        s.at(&a, When::near(100 * NEAR));
+        s.at(&b, When::near(100 * NEAR + NEAR / 2));
+        s.at(&c, When::near(102 * NEAR));
+        // Its own round at its time: the other lapse due within NEAR rides it.
+        assert_eq!(s.next(0, 0), Some(100 * NEAR));
+        assert!(s.take_due(99 * NEAR - 1, NEAR, usize::MAX).is_empty(), "too early for both");
+        let round = s.take_due(100 * NEAR, 0, usize::MAX);
+        assert_eq!(round.len(), 2);
+        assert!(round.iter().all(|x| Arc::ptr_eq(x, &a) || Arc::ptr_eq(x, &b)));
+        // A lapse further than NEAR away keeps its own time.
+        assert_eq!(s.next(100 * NEAR, 0), Some(102 * NEAR));
+        assert!(s.take_due(101 * NEAR - 1, NEAR / 2, usize::MAX).is_empty());
+        assert_eq!(s.take_due(101 * NEAR, 0, usize::MAX).len(), 1, "a round NEAR before");
     }
 }

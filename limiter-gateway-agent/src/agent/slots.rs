@@ -172,6 +172,10 @@ pub(super) struct LeaseState {
     pub(super) window_end: bool,
     /// The last grant was less than asked (the owner divides near the limit).
     pub(super) cut: bool,
+    /// The last answer held the key back for the others' shares (`denied` lapses
+    /// when they have had them): asked about again by a round that comes a little
+    /// before then, where a level's refusal waits for its own time.
+    pub(super) held_back: bool,
 }
 
 /// A key idle this many times `idle_after`, holding nothing, is forgotten.

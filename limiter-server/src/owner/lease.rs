@@ -372,6 +372,7 @@ impl Owner {
         {
             self.give_back(&chain, now, back).await?;
             grant.decision = Some(self.refusal(&chain, now, wait));
+            grant.held_back = true;
             return Ok(grant);
         }
         let (leased, slices_until) = if exact {

@@ -29,15 +29,53 @@ pub struct MonotonicClock {
     origin_unix: Nanos,
 }
 
+/// Reads of the wall clock between two of the monotonic clock made to anchor a
+/// [`MonotonicClock`]; the read closest in time to its monotonic reads is kept.
+const ANCHOR_READS: usize = 16;
+
 impl MonotonicClock {
     /// A clock anchored to the wall clock at the moment of creation.
+    ///
+    /// The wall clock is read between two reads of the monotonic clock, several
+    /// times, and the read with the least time around it anchors the time line: a
+    /// thread descheduled between the two clocks' reads (milliseconds on a busy
+    /// machine) would otherwise set its whole time line off by as long as it
+    /// waited, and processes that compare times (nodes aligning windows, a load
+    /// test judging several gateways' records together) would disagree by that.
     #[allow(clippy::disallowed_methods)] // the one sanctioned reader of system time
     pub fn new() -> Self {
-        let origin_unix = SystemTime::now()
-            .duration_since(UNIX_EPOCH)
-            .map_or(0, |d| u64::try_from(d.as_nanos()).unwrap_or(u64::MAX));
-        Self { origin: Instant::now(), origin_unix }
+        let base = Instant::now();
+        let since = |t: Instant| u64::try_from(t.duration_since(base).as_nanos()).unwrap_or(0);
+        let reads = (0..ANCHOR_READS).map(|_| {
+            let before = since(Instant::now());
+            let unix = SystemTime::now()
+                .duration_since(UNIX_EPOCH)
+                .map_or(0, |d| u64::try_from(d.as_nanos()).unwrap_or(u64::MAX));
+            (before, unix, since(Instant::now()))
+        });
+        let (mid, origin_unix) = tightest(reads);
+        Self { origin: base + Duration::from_nanos(mid), origin_unix }
     }
+
+    /// The instant at which this clock reads `at` (the nearest it can tell: `None`
+    /// when that is before the clock's anchor and the platform cannot go back so far).
+    pub fn instant_of(&self, at: Nanos) -> Option<Instant> {
+        if at >= self.origin_unix {
+            self.origin.checked_add(Duration::from_nanos(at - self.origin_unix))
+        } else {
+            self.origin.checked_sub(Duration::from_nanos(self.origin_unix - at))
+        }
+    }
+}
+
+/// Of wall-clock reads each between two monotonic reads (`(before, wall, after)`,
+/// the monotonic ones in nanoseconds from any base), the one with the least time
+/// between its monotonic reads: the monotonic instant half way between them and the
+/// wall clock's reading.
+fn tightest(reads: impl Iterator<Item = (Nanos, Nanos, Nanos)>) -> (Nanos, Nanos) {
+    reads
+        .min_by_key(|&(before, _, after)| after.saturating_sub(before))
+        .map_or((0, 0), |(before, wall, after)| (before + after.saturating_sub(before) / 2, wall))
 }
 
 impl Default for MonotonicClock {
@@ -109,6 +147,29 @@ mod tests {
         assert!(b >= a);
         // 2020-01-01 in nanoseconds: the anchor is the wall clock, not zero.
         assert!(a > 1_577_836_800 * NANOS_PER_SEC);
+    }
+
+    #[test]
+    fn the_anchor_is_the_wall_clock_read_closest_to_its_monotonic_reads() {
+        // The second read waited 5 ms between the clocks (descheduled): not taken.
+        let reads = [
+            (0, 1_000_000, 900),
+            (1_000, 1_001_000 + 5_000_000, 5_001_000),
+            (6_000, 1_006_000, 6_100),
+        ];
+        assert_eq!(tightest(reads.into_iter()), (6_050, 1_006_000));
+        assert_eq!(tightest(std::iter::empty()), (0, 0));
+        // A clock's instants and readings agree.
+        let c = MonotonicClock::new();
+        let at = c.now() + 1_000_000;
+        let t = c.instant_of(at).unwrap();
+        let back = c.instant_of(at - 2_000_000).unwrap();
+        assert_eq!(t.duration_since(back), Duration::from_millis(2));
+        assert_eq!(
+            c.origin_unix
+                .saturating_add(u64::try_from(t.duration_since(c.origin).as_nanos()).unwrap()),
+            at
+        );
     }
 
     #[test]

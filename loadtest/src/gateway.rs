@@ -9,7 +9,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context as _;
-use limiter_core::clock::{Clock as _, MonotonicClock};
+use limiter_core::clock::MonotonicClock;
 use tokio::sync::mpsc;
 use tokio::time::Instant;
 
@@ -35,7 +35,9 @@ pub fn main() -> anyhow::Result<()> {
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build()?;
     rt.block_on(async move {
         let clock = MonotonicClock::new();
-        let start = Instant::now() + Duration::from_nanos(start_unix.saturating_sub(clock.now()));
+        // The run's start on this process's monotonic clock, from its anchor (reading
+        // both clocks again here could be set off by a wait between the reads).
+        let start = clock.instant_of(start_unix).map_or_else(Instant::now, Instant::from_std);
         let target = Target::new(s.target, &url, &format!("gateway-{g}"))?;
         let names = Arc::new(crate::run::names(&s));
         let plan = crate::workload::plan(&s, g);

@@ -196,8 +196,11 @@ pub async fn run(s: &Scenario, opts: Options) -> anyhow::Result<Report> {
     let lead =
         if s.gateway_processes { Duration::from_millis(1500) } else { Duration::from_millis(300) };
     let clock = MonotonicClock::new();
-    let start = Instant::now() + lead;
     let start_unix = clock.now() + nanos(lead);
+    // The same instant on the monotonic clock, from the clock's anchor (reading the
+    // two clocks again could be set off by a wait between the reads).
+    let start =
+        clock.instant_of(start_unix).map_or_else(|| Instant::now() + lead, Instant::from_std);
 
     // Gateways. Each process draws its own plan; the run draws them too, to count.
     let plans: Vec<Vec<Planned>> = (0..s.gateways).map(|g| workload::plan(s, g)).collect();

@@ -209,6 +209,7 @@ macro_rules! store_tests {
             let s = TestServer::start_on(BACKEND, POLICY).await;
             let mut c = s.native().await;
             let waiting = |turn: u64| pb::ShouldAllowRequest { turn: Some(turn), ..export() };
+            let allowed = |r: &pb::ShouldAllowResponse| r.allowed;
             let a = c.should_allow(export()).await.unwrap().into_inner();
             let b = c.should_allow(export()).await.unwrap().into_inner();
             assert!(a.allowed && b.allowed);
@@ -222,54 +223,55 @@ macro_rules! store_tests {
             assert_eq!(first.reason(), pb::Reason::TenantRouteLimit);
             let (t1, t2) = (first.turn, second.turn);
             assert!(t1 != 0 && t2 != 0 && t1 != t2, "{t1} {t2}");
-            // A permit comes back: neither a newcomer, nor a turn nobody gave, nor
-            // the second waiter takes it before the first.
+            // A permit comes back: neither a turn nobody gave nor the second waiter
+            // takes it before the first.
             c.release(release(&a.permit.unwrap().id)).await.unwrap();
-            let mut forged = 0;
-            for (who, req) in [
-                ("a newcomer", export()),
-                ("a forged turn", waiting(t1 ^ t2 | 1)),
-                ("the second waiter", waiting(t2)),
-            ] {
-                let r = c.should_allow(req).await.unwrap().into_inner();
-                assert!(!r.allowed, "{who} took the first waiter's permit");
-                assert_eq!(r.reason(), pb::Reason::TenantRouteLimit, "{who}");
-                if who == "a forged turn" {
-                    // A new place at the back, not the turn it named.
-                    assert!(r.turn != 0 && r.turn != t1 && r.turn != t2, "{r:?}");
-                    forged = r.turn;
-                }
-            }
+            let forged = c.should_allow(waiting(t1 ^ t2 | 1)).await.unwrap().into_inner();
+            assert!(!forged.allowed, "a forged turn took the first waiter's permit");
+            assert_eq!(forged.reason(), pb::Reason::TenantRouteLimit);
+            // A new place at the back, not the turn it named.
+            let f = forged.turn;
+            assert!(f != 0 && f != t1 && f != t2, "{forged:?}");
+            let early = c.should_allow(waiting(t2)).await.unwrap().into_inner();
+            assert!(!early.allowed, "the second waiter took the first waiter's permit");
             let got = c.should_allow(waiting(t1)).await.unwrap().into_inner();
             assert!(got.allowed, "the first waiter is served: {got:?}");
             assert_eq!(got.turn, 0);
-            // The next permit is the second waiter's; it kept its place by asking.
+            // The next permit is the second waiter's: it kept its place by asking,
+            // ahead of the forged turn's place and of a newcomer.
             c.release(release(&b.permit.unwrap().id)).await.unwrap();
-            assert!(!c.should_allow(export()).await.unwrap().into_inner().allowed);
+            let newcomer = c.should_allow(waiting(0)).await.unwrap().into_inner();
+            assert!(!newcomer.allowed && newcomer.turn != 0, "{newcomer:?}");
+            assert!(!allowed(&c.should_allow(waiting(f)).await.unwrap().into_inner()));
             let got2 = c.should_allow(waiting(t2)).await.unwrap().into_inner();
             assert!(got2.allowed, "the second waiter is served: {got2:?}");
-            // Then the forged caller's, at the back of the line behind them.
+            // Then the forged caller's place, ahead of the newcomer's.
             c.release(release(&got.permit.unwrap().id)).await.unwrap();
-            let late = c.should_allow(waiting(0)).await.unwrap().into_inner();
-            assert!(!late.allowed && late.turn != 0, "{late:?}");
-            let got3 = c.should_allow(waiting(forged)).await.unwrap().into_inner();
+            assert!(!allowed(&c.should_allow(waiting(newcomer.turn)).await.unwrap().into_inner()));
+            // A caller that does not wait in line is decided on what is free, as
+            // before lines: it is not held behind them.
+            let racer = c.should_allow(export()).await.unwrap().into_inner();
+            assert!(racer.allowed, "{racer:?}");
+            c.release(release(&racer.permit.unwrap().id)).await.unwrap();
+            let got3 = c.should_allow(waiting(f)).await.unwrap().into_inner();
             assert!(got3.allowed, "{got3:?}");
             // A waiter that gives up its place (Release with its turn) leaves the
             // line at once: what it waited for is free again for anyone.
             c.release(release(&got3.permit.unwrap().id)).await.unwrap();
-            assert!(!c.should_allow(export()).await.unwrap().into_inner().allowed, "reserved");
-            let leave = pb::ReleaseRequest { turn: late.turn, ..release("") };
+            let leave = pb::ReleaseRequest { turn: newcomer.turn, ..release("") };
             let left = c.release(leave).await.unwrap().into_inner();
             assert!(!left.released && left.units == 0, "{left:?}");
-            let x = c.should_allow(export()).await.unwrap().into_inner();
+            let x = c.should_allow(waiting(0)).await.unwrap().into_inner();
             assert!(x.allowed, "given up: {x:?}");
             // One that stops asking leaves it a fifth of a second after its last ask.
             let quiet = c.should_allow(waiting(0)).await.unwrap().into_inner();
             assert!(!quiet.allowed && quiet.turn != 0);
             c.release(release(&x.permit.unwrap().id)).await.unwrap();
-            assert!(!c.should_allow(export()).await.unwrap().into_inner().allowed, "reserved");
+            let held = c.should_allow(waiting(0)).await.unwrap().into_inner();
+            assert!(!held.allowed, "reserved for the quiet waiter: {held:?}");
             tokio::time::sleep(Duration::from_millis(250)).await;
-            assert!(c.should_allow(export()).await.unwrap().into_inner().allowed, "lapsed");
+            let lapsed = c.should_allow(waiting(0)).await.unwrap().into_inner();
+            assert!(lapsed.allowed, "the quiet waiters left: {lapsed:?}");
             s.stop().await;
         }
 

@@ -86,15 +86,15 @@ impl Owner {
         refuse(&last, 1_000_000, false)
     }
 
-    /// A refusal of `req` (holding `turn`) when one of its chain's concurrency levels
-    /// has waiters ahead of it and cannot hold its cost on top of theirs: a dry run
-    /// of that level alone, with the waiters' units added. `None`: nobody is ahead,
-    /// or there is room for all.
+    /// A refusal of `req` (holding `turn`, 0 for a new waiter) when one of its
+    /// chain's concurrency levels has waiters ahead of it and cannot hold its cost on
+    /// top of theirs: a dry run of that level alone, with the waiters' units added.
+    /// `None`: nobody is ahead, or there is room for all.
     async fn behind_waiters(
         &self,
         req: &Request<'_>,
         chain: &Chain<'_>,
-        turn: Option<u64>,
+        turn: u64,
         now: Nanos,
     ) -> Result<Option<Verdict>, ServerError> {
         for (scope, ahead) in self.turns.ahead(chain, turn, now) {
@@ -262,14 +262,16 @@ impl Owner {
                 .then(|| chain.levels().find(|l| l.rule.limit.is_concurrency()))
                 .flatten();
             let turn = turns.get(i).copied().flatten();
-            // Callers that wait in line are served first: a request is refused while
-            // its levels cannot hold it on top of what the waiters ahead wait for.
-            let behind = if envoy_permit.is_none()
+            // Callers that wait in line are served in turn: such a request is refused
+            // while its levels cannot hold it on top of what the waiters ahead of it
+            // wait for. One that does not wait in line is decided on what is free.
+            let behind = if let Some(t) = turn
+                && envoy_permit.is_none()
                 && !unreachable
                 && !chain.dry_run
                 && permits::first_level(chain).is_some()
             {
-                self.behind_waiters(req, chain, turn, now).await
+                self.behind_waiters(req, chain, t, now).await
             } else {
                 Ok(None)
             };

@@ -6,9 +6,12 @@
 //! that retry on the same cadence fall into step (their answers leave together, so
 //! their next asks do too), and the same one wins every race while another is refused
 //! every time. With a line, a refused caller that says it will wait (`turn` set in its
-//! request) is given a turn; asking again with the turn keeps its place. An ask is
-//! admitted only if the level can hold its cost on top of the units every live waiter
-//! ahead of it asked for; an ask with no turn is behind them all.
+//! request) is given a turn; asking again with the turn keeps its place. An ask that
+//! waits in line is admitted only if the level can hold its cost on top of the units
+//! every live waiter ahead of it asked for (a new one is behind them all). Callers
+//! that do not wait in line (no `turn`: clients that predate it, an agent's direct
+//! decisions) are decided as before, on what is free: held behind the line, they
+//! would never be served while it is never empty.
 //!
 //! A waiter that does not ask again within [`STALE`] has left the line: the units it
 //! held in reserve are free again. A turn nobody issued is a new place at the back,
@@ -68,12 +71,7 @@ impl Turns {
     /// For each concurrency level of `chain` with a line, the units its live waiters
     /// ahead of `turn` wait for (all of them when `turn` is not in its line). Empty,
     /// and nothing allocated, when no level has a line.
-    pub(crate) fn ahead(
-        &self,
-        chain: &Chain<'_>,
-        turn: Option<u64>,
-        now: Nanos,
-    ) -> Vec<(Scope, u64)> {
+    pub(crate) fn ahead(&self, chain: &Chain<'_>, turn: u64, now: Nanos) -> Vec<(Scope, u64)> {
         let mut lines = self.lines.lock();
         if lines.by_level.is_empty() {
             return Vec::new();
@@ -88,7 +86,7 @@ impl Turns {
             }
             let units = line
                 .iter()
-                .take_while(|w| Some(w.turn) != turn)
+                .take_while(|w| w.turn != turn)
                 .fold(0u64, |s, w| s.saturating_add(w.units));
             if units > 0 {
                 out.push((l.scope, units));
@@ -187,25 +185,25 @@ mod tests {
         let b = p.resolve(&Request::new("acme", "/b"), &names).unwrap();
         let s = Scope::TenantRoute;
         let t = Turns::default();
-        assert!(t.ahead(&a, None, 0).is_empty(), "no line yet");
+        assert!(t.ahead(&a, 0, 0).is_empty(), "no line yet");
         let first = t.wait(&a, s, 0, 1, 0);
         let second = t.wait(&a, s, 0, 2, MS);
         assert!(first != 0 && second != 0 && first != second);
         // The first has nobody ahead; the second has the first's unit; a newcomer,
         // or a turn nobody issued, has both.
-        assert!(t.ahead(&a, Some(first), 2 * MS).is_empty());
-        assert_eq!(t.ahead(&a, Some(second), 2 * MS), vec![(s, 1)]);
-        assert_eq!(t.ahead(&a, None, 2 * MS), vec![(s, 3)]);
-        assert_eq!(t.ahead(&a, Some(12_345), 2 * MS), vec![(s, 3)]);
+        assert!(t.ahead(&a, first, 2 * MS).is_empty());
+        assert_eq!(t.ahead(&a, second, 2 * MS), vec![(s, 1)]);
+        assert_eq!(t.ahead(&a, 0, 2 * MS), vec![(s, 3)]);
+        assert_eq!(t.ahead(&a, 12_345, 2 * MS), vec![(s, 3)]);
         // Another level's line is its own.
-        assert!(t.ahead(&b, None, 2 * MS).is_empty());
+        assert!(t.ahead(&b, 0, 2 * MS).is_empty());
         // Asking again keeps the place; being served leaves the line.
         assert_eq!(t.wait(&a, s, second, 1, 3 * MS), second);
         t.served(&a, first);
-        assert!(t.ahead(&a, Some(second), 3 * MS).is_empty());
-        assert_eq!(t.ahead(&a, None, 3 * MS), vec![(s, 1)]);
+        assert!(t.ahead(&a, second, 3 * MS).is_empty());
+        assert_eq!(t.ahead(&a, 0, 3 * MS), vec![(s, 1)]);
         // Quiet for STALE: gone, and its reserve with it.
-        assert!(t.ahead(&a, None, 3 * MS + STALE).is_empty());
+        assert!(t.ahead(&a, 0, 3 * MS + STALE).is_empty());
         assert_eq!(t.waiting(), 0);
     }
 

@@ -705,13 +705,9 @@ impl Inner {
         }
     }
 
-    /// Gives up the pool's place in the owner's line, if it holds one (it no longer
-    /// waits: served by its own blocks, or stopping).
-    async fn leave_line(&self, slot: &Slot, pool: &Pool) {
-        let turn = pool.turn.swap(0, Ordering::Relaxed);
-        if turn == 0 {
-            return;
-        }
+    /// Gives up the pool's place `turn` in the owner's line (it no longer waits:
+    /// served by its own blocks, or stopping).
+    async fn leave_line(&self, slot: &Slot, turn: u64) {
         let (tenant, route, key) = slot.key.parts();
         let req = pb::ReleaseRequest {
             tenant: tenant.to_owned(),
@@ -734,13 +730,13 @@ impl Inner {
     /// longer, so its place in the owner's line (if any) is given up, off the
     /// request's path.
     fn served_here(self: &Arc<Self>, slot: &Arc<Slot>, pool: &Pool, p: LocalPermit) -> Took {
+        // Read first: the swap (a write) only where there is a place to give up.
         if pool.turn.load(Ordering::Relaxed) != 0 {
-            let (inner, slot) = (self.clone(), slot.clone());
-            tokio::spawn(async move {
-                if let Some(pool) = slot.pool.get() {
-                    inner.leave_line(&slot, pool).await;
-                }
-            });
+            let turn = pool.turn.swap(0, Ordering::Relaxed);
+            if turn != 0 {
+                let (inner, slot) = (self.clone(), slot.clone());
+                tokio::spawn(async move { inner.leave_line(&slot, turn).await });
+            }
         }
         Took::Permit(p, false)
     }
@@ -748,7 +744,10 @@ impl Inner {
     /// Gives every block of `slot`'s pool back (a stopping gateway).
     pub(super) async fn give_back_blocks(&self, slot: &Slot) {
         let Some(pool) = slot.pool.get() else { return };
-        self.leave_line(slot, pool).await;
+        let turn = pool.turn.swap(0, Ordering::Relaxed);
+        if turn != 0 {
+            self.leave_line(slot, turn).await;
+        }
         let ids: Vec<String> = {
             let mut b = pool.blocks.lock();
             let held = std::mem::take(&mut b.held);

@@ -152,6 +152,13 @@ fn named_until(c: &Concurrency, at: Nanos) -> Nanos {
 }
 
 /// The outermost concurrency level of `chain`, if it has one.
+/// A level's counter key hashed under `key` (a key drawn at start): what the owner's
+/// per-level books (refusals, lines) are keyed by.
+pub(crate) fn level_hash(key: &std::hash::RandomState, l: &limiter_core::policy::Level<'_>) -> u64 {
+    let k = &l.key;
+    key.hash_one((k.scope as u8, k.tenant, k.route, k.key, k.budget))
+}
+
 pub(crate) fn first_level(chain: &Chain<'_>) -> Option<Scope> {
     chain.levels().find(|l| l.rule.limit.is_concurrency()).map(|l| l.scope)
 }
@@ -221,8 +228,7 @@ impl Permits {
     }
 
     fn level(&self, l: &limiter_core::policy::Level<'_>) -> u64 {
-        let k = &l.key;
-        self.key.hash_one((k.scope as u8, k.tenant, k.route, k.key, k.budget))
+        level_hash(&self.key, l)
     }
 
     /// Notes that `chain`'s concurrency level at `scope` refused a request at `now`.

@@ -64,8 +64,7 @@ fn prune(line: &mut VecDeque<Waiter>, now: Nanos) -> bool {
 
 impl Turns {
     fn level(&self, l: &Level<'_>) -> u64 {
-        let k = &l.key;
-        self.key.hash_one((k.scope as u8, k.tenant, k.route, k.key, k.budget))
+        super::permits::level_hash(&self.key, l)
     }
 
     /// For each concurrency level of `chain` with a line, the units its live waiters

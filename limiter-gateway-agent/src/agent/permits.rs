@@ -696,31 +696,31 @@ impl Inner {
             .await
             .map(|r| (duration_nanos(r.expires_in.as_ref()), r.contended))
         } else {
-            let req = pb::ReleaseRequest { tenant, route, key, permit: id, turn: 0 };
-            self.counted_call(
-                async move { client.release(req).await.map(tonic::Response::into_inner) },
-            )
-            .await
-            .map(|_| (0, false))
+            self.release_call(slot, id, 0).await.map(|()| (0, false))
         }
+    }
+
+    /// One `Release` call for `slot`'s key: of block `permit`, or (empty) of nothing
+    /// but the place `turn` in the owner's line (0: none).
+    async fn release_call(
+        &self,
+        slot: &Slot,
+        permit: String,
+        turn: u64,
+    ) -> Result<(), tonic::Status> {
+        let (tenant, route, key) = slot.key.parts();
+        let (tenant, route, key) = (tenant.to_owned(), route.to_owned(), key.to_owned());
+        let req = pb::ReleaseRequest { tenant, route, key, permit, turn };
+        let mut client = self.client.clone();
+        self.counted_call(async move { client.release(req).await.map(tonic::Response::into_inner) })
+            .await
+            .map(|_| ())
     }
 
     /// Gives up the pool's place `turn` in the owner's line (it no longer waits:
     /// served by its own blocks, or stopping).
     async fn leave_line(&self, slot: &Slot, turn: u64) {
-        let (tenant, route, key) = slot.key.parts();
-        let req = pb::ReleaseRequest {
-            tenant: tenant.to_owned(),
-            route: route.to_owned(),
-            key: key.to_owned(),
-            permit: String::new(),
-            turn,
-        };
-        let mut client = self.client.clone();
-        let left = self
-            .counted_call(async move { client.release(req).await.map(tonic::Response::into_inner) })
-            .await;
-        if let Err(e) = left {
+        if let Err(e) = self.release_call(slot, String::new(), turn).await {
             // Its place lapses at the owner within a fifth of a second.
             tracing::debug!(error = %e, "place in line not given up");
         }

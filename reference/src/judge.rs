@@ -3,20 +3,31 @@
 //! units were charged at grant time). The traffic is within the limit exactly when
 //! some choice of instants lets the reference admit every request in time order.
 //!
-//! The judge tries three ways of choosing and keeps the one that places the most:
-//! earliest deadline first with each request as early as the reference lets it (the
-//! best choice for a token bucket, a fixed window and a log, where units come back
-//! only with time), and each request as late as it may have been, either at its last
-//! instant or at the last instant of the window its first one is in (a sliding
-//! counter's previous window weighs least late in a window). The units of the
-//! requests the best choice cannot place are the overshoot: no tolerance, no slack.
-//! A choice that places everything proves the traffic within the limit; a figure
-//! above zero is what the best of the three could not place.
+//! The judge first places each request as early as the reference lets it, earliest
+//! deadline first; if that places everything, the traffic is within. Where an exact
+//! answer is known it is taken next (`crate::exact`):
+//! - requests of one cost on a fixed or calendar window: the fewest left over by any
+//!   choice (windows filled in order, each with the requests whose last window is
+//!   nearest);
+//! - requests of one cost on a token bucket (up to a few thousand on a level):
+//!   whether some choice places them all. As early as possible is not always right
+//!   there: a request with room to spare can take the unit that one sent just after
+//!   it needs at once (found by a property test, and a likely cause of the one or
+//!   two units the busy-machine benchmarks judged over).
+//!
+//! Otherwise two more ways are tried and the best of the three kept: each request at
+//! its last instant, or at the last instant of the window its first one is in (a
+//! sliding counter's previous window weighs least late in a window). On a token
+//! bucket whose traffic does not fit, each request they leave over is taken back in
+//! turn where the exact check says it still fits. The units of the requests left
+//! over are the overshoot: no tolerance, no slack. A figure above zero is exact for
+//! windows and otherwise what the best choice found could not place (a bound from
+//! above; never above zero when a check says the traffic fits).
 
 use std::cmp::Reverse;
 use std::collections::BinaryHeap;
 
-use crate::{Level, Spec};
+use crate::{Level, Spec, exact};
 
 /// One admitted request: decided at some instant in `from..=to`, `cost` units.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -46,81 +57,147 @@ pub struct Verdict {
 /// Judges `spends` on one level with `spec`, fresh at the start, reporting overshoot
 /// per aligned window of `report` ticks.
 pub fn judge(spec: Spec, spends: &[Spend], report: u64) -> Verdict {
-    let mut best = earliest_first(spec, spends, report);
-    if best.overshoot == 0 {
+    verdict(spends, &over(spec, spends), report)
+}
+
+/// The requests (indices into `spends`) the best placement found leaves over.
+fn over(spec: Spec, spends: &[Spend]) -> Vec<usize> {
+    let mut best = earliest_first(spec, spends);
+    if best.is_empty() {
         return best;
     }
+    let cost = spends[0].cost;
+    let one_cost = cost > 0 && spends.iter().all(|s| s.cost == cost);
+    match spec {
+        Spec::FixedWindow { limit, .. } | Spec::CalendarWindow { limit, .. } if one_cost => {
+            let index = |t: u64| match spec {
+                Spec::CalendarWindow { starts, .. } => starts.index(t),
+                _ => t / spec.window(),
+            };
+            let jobs: Vec<(u64, u64)> =
+                spends.iter().map(|s| (index(s.from), index(s.to))).collect();
+            return exact::windows_unplaced(&jobs, limit / cost);
+        }
+        Spec::TokenBucket { .. } if one_cost && spends.len() <= EXACT_MOST => {
+            if bucket_fits(spec, spends, |_| true) {
+                return Vec::new();
+            }
+        }
+        _ => {}
+    }
     let window_end = |s: &Spend| s.to.min(spec.window_bounds(s.from).1 - 1).max(s.from);
-    for v in
-        [placed_at(spec, spends, report, |s| s.to), placed_at(spec, spends, report, window_end)]
-    {
-        if v.overshoot < best.overshoot {
+    for v in [placed_at(spec, spends, |s| s.to), placed_at(spec, spends, window_end)] {
+        if v.len() < best.len() {
             best = v;
         }
+    }
+    if matches!(spec, Spec::TokenBucket { .. })
+        && one_cost
+        && spends.len() <= EXACT_MOST
+        && best.len() <= EXACT_READD
+    {
+        // Take back every request left over that still fits with the rest.
+        let mut left = vec![false; spends.len()];
+        for &i in &best {
+            left[i] = true;
+        }
+        best.sort_by_key(|&i| (spends[i].to, spends[i].from));
+        best.retain(|&i| {
+            left[i] = false;
+            let fits = bucket_fits(spec, spends, |j| !left[j]);
+            left[i] = !fits;
+            !fits
+        });
     }
     best
 }
 
-/// Each request at the instant `at` picks for it, in time order; what does not fit is
-/// over.
-fn placed_at(spec: Spec, spends: &[Spend], report: u64, at: impl Fn(&Spend) -> u64) -> Verdict {
-    let mut order: Vec<(u64, Spend)> = spends.iter().map(|s| (at(s), *s)).collect();
-    order.sort_by_key(|&(t, s)| (t, s.from));
+/// The most requests the exact check judges on a token bucket (its time grows with
+/// their square).
+const EXACT_MOST: usize = 6_000;
+
+/// The most requests left over by the heuristics that are each tried back with the
+/// exact check.
+const EXACT_READD: usize = 64;
+
+/// Whether the requests `keep` picks, all of one cost, fit a token bucket `spec` at
+/// some choice of instants (`crate::exact`).
+fn bucket_fits(spec: Spec, spends: &[Spend], keep: impl Fn(usize) -> bool) -> bool {
+    let Spec::TokenBucket { amount, period, burst } = spec else { unreachable!() };
+    // Time scaled by `amount`: a unit lasts `period`.
+    let (a, p) = (u128::from(amount), u128::from(period));
+    let jobs: Vec<(u128, u128)> = (0..spends.len())
+        .filter(|&i| keep(i))
+        .map(|i| &spends[i])
+        .map(|s| (u128::from(s.from) * a, u128::from(s.to) * a + u128::from(burst) * p))
+        .collect();
+    let cost = spends.first().map_or(0, |s| u128::from(s.cost));
+    jobs.is_empty() || exact::one_length_feasible(&jobs, cost * p)
+}
+
+/// The verdict on `spends` with the requests `over` left over.
+fn verdict(spends: &[Spend], over: &[usize], report: u64) -> Verdict {
     let mut v = Verdict {
-        requests: order.len() as u64,
-        units: order.iter().map(|(_, s)| s.cost).sum(),
+        requests: spends.len() as u64,
+        units: spends.iter().map(|s| s.cost).sum(),
         ..Verdict::default()
     };
-    let mut level = Level::new(spec);
-    for (t, s) in order {
-        if s.cost > spec.capacity() || !level.try_take(t, s.cost) {
-            count_over(&mut v, &s, report);
+    for &i in over {
+        let s = &spends[i];
+        v.overshoot += s.cost;
+        let w = s.to / report * report;
+        match v.by_window.iter_mut().find(|e| e.0 == w) {
+            Some(e) => e.1 += s.cost,
+            None => v.by_window.push((w, s.cost)),
         }
     }
     v.by_window.sort_unstable();
     v
 }
 
-fn count_over(v: &mut Verdict, s: &Spend, report: u64) {
-    v.overshoot += s.cost;
-    let w = s.to / report * report;
-    match v.by_window.iter_mut().find(|e| e.0 == w) {
-        Some(e) => e.1 += s.cost,
-        None => v.by_window.push((w, s.cost)),
+/// Each request at the instant `at` picks for it, in time order; what does not fit is
+/// over.
+fn placed_at(spec: Spec, spends: &[Spend], at: impl Fn(&Spend) -> u64) -> Vec<usize> {
+    let mut order: Vec<(u64, usize)> = spends.iter().enumerate().map(|(i, s)| (at(s), i)).collect();
+    order.sort_by_key(|&(t, i)| (t, spends[i].from));
+    let mut level = Level::new(spec);
+    let mut over = Vec::new();
+    for (t, i) in order {
+        let s = &spends[i];
+        if s.cost > spec.capacity() || !level.try_take(t, s.cost) {
+            over.push(i);
+        }
     }
+    over
 }
 
 /// Earliest deadline first, each request as early as the reference admits it.
-fn earliest_first(spec: Spec, spends: &[Spend], report: u64) -> Verdict {
-    let mut order: Vec<Spend> = spends.to_vec();
-    order.sort_by_key(|s| (s.from, s.to));
-    let mut v = Verdict {
-        requests: order.len() as u64,
-        units: order.iter().map(|s| s.cost).sum(),
-        ..Verdict::default()
-    };
-    let over = |v: &mut Verdict, s: &Spend| count_over(v, s, report);
+fn earliest_first(spec: Spec, spends: &[Spend]) -> Vec<usize> {
+    let mut order: Vec<usize> = (0..spends.len()).collect();
+    order.sort_by_key(|&i| (spends[i].from, spends[i].to));
+    let mut over = Vec::new();
     let mut level = Level::new(spec);
     // Pending requests by deadline.
     let mut pending: BinaryHeap<Reverse<(u64, u64, usize)>> = BinaryHeap::new();
     let mut next = 0;
-    let mut t = order.first().map_or(0, |s| s.from);
+    let mut t = order.first().map_or(0, |&i| spends[i].from);
     loop {
-        while next < order.len() && order[next].from <= t {
-            pending.push(Reverse((order[next].to, order[next].from, next)));
+        while next < order.len() && spends[order[next]].from <= t {
+            let i = order[next];
+            pending.push(Reverse((spends[i].to, spends[i].from, i)));
             next += 1;
         }
         let Some(&Reverse((deadline, _, i))) = pending.peek() else {
             if next == order.len() {
                 break;
             }
-            t = order[next].from;
+            t = spends[order[next]].from;
             continue;
         };
-        let s = order[i];
+        let s = spends[i];
         if deadline < t || s.cost > spec.capacity() {
             pending.pop();
-            over(&mut v, &s);
+            over.push(i);
             continue;
         }
         if level.fits(t, s.cost) {
@@ -132,17 +209,16 @@ fn earliest_first(spec: Spec, spends: &[Spend], report: u64) -> Verdict {
         if at > deadline {
             // It cannot fit before its deadline: nothing pending frees units.
             pending.pop();
-            over(&mut v, &s);
+            over.push(i);
             continue;
         }
         // Wait for it, unless a request with an earlier deadline arrives first.
         t = match order.get(next) {
-            Some(n) if n.from < at => n.from,
+            Some(&n) if spends[n].from < at => spends[n].from,
             _ => at,
         };
     }
-    v.by_window.sort_unstable();
-    v
+    over
 }
 
 #[cfg(test)]
@@ -183,7 +259,7 @@ mod tests {
         let mut s: Vec<Spend> = (0..9).map(|_| at(0, 1)).collect();
         s.push(Spend { from: 10, to: 19, cost: 1 });
         s.push(at(11, 1));
-        assert_eq!(earliest_first(sc, &s, 10).overshoot, 1);
+        assert_eq!(earliest_first(sc, &s).len(), 1);
         assert_eq!(judge(sc, &s, 10).overshoot, 0);
         // At most 9 fit in window 1 after 9 in window 0 (0.9 + 9 at its end): a tenth
         // cannot be placed anywhere.
@@ -191,6 +267,127 @@ mod tests {
         assert_eq!(judge(sc, &s, 10).overshoot, 0);
         s.push(Spend { from: 10, to: 19, cost: 1 });
         assert_eq!(judge(sc, &s, 10).overshoot, 1);
+    }
+
+    /// Requests that fit, in two pairs: in the first, one with room to spare must
+    /// not take the unit the other has to have (as early as possible fails, and so
+    /// does the end of the first window); in the second, the two must be apart (at
+    /// their last instants fails). None of the three heuristics places all four.
+    #[test]
+    fn traffic_that_fits_only_by_mixing_the_choices_is_judged_within() {
+        let span = |from, to| Spend { from, to, cost: 1 };
+        let tb = Spec::TokenBucket { amount: 1, period: 10, burst: 1 };
+        let s = [span(0, 30), span(1, 2), span(1055, 1070), span(1058, 1066)];
+        let heuristics = [
+            earliest_first(tb, &s).len(),
+            placed_at(tb, &s, |s| s.to).len(),
+            placed_at(tb, &s, |s| s.to.min(tb.window_bounds(s.from).1 - 1).max(s.from)).len(),
+        ];
+        assert!(heuristics.iter().all(|&o| o > 0), "{heuristics:?}");
+        assert_eq!(judge(tb, &s, 100).overshoot, 0);
+        // One more request where the second pair stands leaves a unit over.
+        let mut more = s.to_vec();
+        more.push(span(1060, 1064));
+        assert_eq!(judge(tb, &more, 100).overshoot, 1);
+
+        let fw = Spec::FixedWindow { limit: 1, window: 10 };
+        let s = [span(0, 25), span(5, 9), span(35, 50), span(50, 55)];
+        let heuristics = [
+            earliest_first(fw, &s).len(),
+            placed_at(fw, &s, |s| s.to).len(),
+            placed_at(fw, &s, |s| s.to.min(fw.window_bounds(s.from).1 - 1).max(s.from)).len(),
+        ];
+        assert!(heuristics.iter().all(|&o| o > 0), "{heuristics:?}");
+        assert_eq!(judge(fw, &s, 100).overshoot, 0);
+    }
+
+    /// Whether some choice of whole ticks in each request's span lets the reference
+    /// admit them all in time order: every choice tried.
+    fn fits_somewhere(spec: Spec, spends: &[Spend]) -> bool {
+        fn go(spec: Spec, spends: &[Spend], at: &mut Vec<(u64, u64)>) -> bool {
+            let Some((s, rest)) = spends.split_first() else {
+                let mut order = at.clone();
+                order.sort_unstable();
+                let mut level = Level::new(spec);
+                return order.iter().all(|&(t, c)| level.try_take(t, c));
+            };
+            (s.from..=s.to).any(|t| {
+                at.push((t, s.cost));
+                let ok = go(spec, rest, at);
+                at.pop();
+                ok
+            })
+        }
+        go(spec, spends, &mut Vec::new())
+    }
+
+    fn random_spends(rng: &mut crate::rng::Rng, cost: u64) -> Vec<Spend> {
+        (0..rng.range(1, 5))
+            .map(|_| {
+                let from = rng.range(0, 24);
+                Spend { from, to: from + rng.range(0, 4), cost }
+            })
+            .collect()
+    }
+
+    /// The judge against trying every placement: a token bucket's requests of one
+    /// cost are within the limit exactly when some placement admits them all.
+    #[test]
+    fn a_token_bucket_verdict_is_zero_exactly_when_some_placement_fits() {
+        for seed in crate::rng::seeds(19) {
+            println!("seed {seed}");
+            let mut rng = crate::rng::Rng::new(seed);
+            let mut above = 0;
+            for _ in 0..3_000 {
+                let burst = rng.range(1, 3);
+                let spec = Spec::TokenBucket { amount: 1, period: rng.range(2, 6), burst };
+                let cost = rng.range(1, burst);
+                let s = random_spends(&mut rng, cost);
+                let v = judge(spec, &s, 100).overshoot;
+                assert_eq!(v == 0, fits_somewhere(spec, &s), "{spec:?} {s:?}");
+                let fewest = fewest_left_over(spec, &s);
+                assert!(v >= fewest, "{spec:?} {s:?}: {v} against at least {fewest}");
+                above += u64::from(v > fewest);
+            }
+            // When the traffic does not fit, the count is the heuristics' with every
+            // request taken back that fits: a bound from above, seldom above the least.
+            println!("above the fewest units left over in {above} of 3000");
+            assert!(above <= 30, "{above}");
+        }
+    }
+
+    /// The fewest units whose requests, left out, let the rest fit somewhere.
+    fn fewest_left_over(spec: Spec, s: &[Spend]) -> u64 {
+        let n = s.len();
+        let most = (0u32..1 << n)
+            .filter(|m| {
+                let sub: Vec<Spend> = (0..n).filter(|i| m >> i & 1 == 1).map(|i| s[i]).collect();
+                fits_somewhere(spec, &sub)
+            })
+            .map(u32::count_ones)
+            .max()
+            .unwrap_or(0);
+        (n as u64 - u64::from(most)) * s.first().map_or(0, |x| x.cost)
+    }
+
+    /// A fixed window's overshoot is the fewest units that no placement admits.
+    #[test]
+    fn a_fixed_window_verdict_is_the_fewest_units_left_over() {
+        for seed in crate::rng::seeds(23) {
+            println!("seed {seed}");
+            let mut rng = crate::rng::Rng::new(seed);
+            for _ in 0..3_000 {
+                let limit = rng.range(1, 3);
+                let spec = Spec::FixedWindow { limit, window: rng.range(2, 6) };
+                let cost = rng.range(1, limit);
+                let s = random_spends(&mut rng, cost);
+                assert_eq!(
+                    judge(spec, &s, 100).overshoot,
+                    fewest_left_over(spec, &s),
+                    "{spec:?} {s:?}"
+                );
+            }
+        }
     }
 
     #[test]

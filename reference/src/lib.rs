@@ -21,6 +21,7 @@
 //! [`judge`] decides whether traffic that a system admitted could have been admitted
 //! by the reference at all, given when each request may have been decided.
 
+pub mod exact;
 pub mod judge;
 pub mod rng;
 

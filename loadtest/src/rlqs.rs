@@ -13,7 +13,9 @@
 //!   second expires at once); unset, it never expires;
 //! - a token bucket refills continuously at `tokens_per_fill` over the fill
 //!   interval's whole seconds (0 seconds divides by zero: an endless rate); a new
-//!   bucket starts full;
+//!   bucket starts full, and so does one replacing another before Envoy 1.33; from
+//!   1.33 (`EnvoyConfig::carries_tokens`) a bucket replacing a live one starts with
+//!   its share of the old one's tokens, `floor(max_tokens x left / old max_tokens)`;
 //! - a token bucket equal to the one held in `max_tokens`, `tokens_per_fill` and the
 //!   fill interval's nanoseconds (only) is kept with its tokens and its TTL
 //!   extended; anything else replaces it;
@@ -24,7 +26,9 @@
 //!
 //! Every admission under a token bucket is recorded with when that bucket was
 //! created, for the judge: what it admits was paid for no earlier than the
-//! assignment that created the bucket was sent.
+//! assignment that created the bucket was sent (a token carried from a replaced
+//! bucket, no earlier than the first bucket of the chain it was carried along; a
+//! bucket spends its carried tokens first).
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -64,6 +68,10 @@ pub struct EnvoyConfig {
     pub no_assignment: Blanket,
     /// After an assignment expired; `None`: the no-assignment behaviour.
     pub expired: Option<Blanket>,
+    /// Envoy 1.33 and later: a token bucket replaced by another while it lives
+    /// starts the new one with the old one's share of tokens,
+    /// `floor(max_tokens x left / old max_tokens)`, not full.
+    pub carries_tokens: bool,
 }
 
 /// One admission under a token bucket.
@@ -71,7 +79,9 @@ pub struct EnvoyConfig {
 pub struct Admitted {
     /// When it was admitted.
     pub at: Nanos,
-    /// When the token bucket it came from was created (its assignment received).
+    /// When the token bucket it came from was created (its assignment received);
+    /// where the token was carried from a replaced bucket, when the first bucket
+    /// it was carried from was (its payment was no later).
     pub bucket_since: Nanos,
 }
 
@@ -90,7 +100,8 @@ pub struct BucketLog {
     /// Refill a full token bucket could not hold (when a request found it so, and
     /// how much): paid for, never spendable.
     pub refill_lost: Vec<(Nanos, f64)>,
-    /// Tokens left in a token bucket when an assignment replaced it.
+    /// Tokens left in a token bucket when an assignment replaced it (less what the
+    /// new one carried of them).
     pub discarded: Vec<(Nanos, f64)>,
     /// Token buckets created (first assignments and changes).
     pub buckets_created: u64,
@@ -108,21 +119,28 @@ struct Tokens {
     tokens: f64,
     last: Nanos,
     since: Nanos,
+    /// Tokens carried from a replaced bucket, not yet spent (spent first), and when
+    /// the earliest bucket they came from was created.
+    carried: f64,
+    carried_since: Nanos,
     /// As Envoy compares: max tokens, tokens per fill, fill interval nanoseconds.
     identity: (u32, u32, i32),
 }
 
 impl Tokens {
-    /// Takes a token if it holds one; the refill it could not hold, if any.
-    fn take(&mut self, now: Nanos) -> (bool, f64) {
+    /// Takes a token if it holds one: when the bucket the token was paid in was
+    /// created, if it did; and the refill it could not hold, if any.
+    fn take(&mut self, now: Nanos) -> (Option<Nanos>, f64) {
         let lost;
         (self.tokens, lost) = self.left_at(now);
         self.last = now;
-        let ok = self.tokens >= 1.0;
-        if ok {
-            self.tokens -= 1.0;
+        if self.tokens < 1.0 {
+            return (None, lost);
         }
-        (ok, lost)
+        self.tokens -= 1.0;
+        let since = if self.carried > 0.0 { self.carried_since } else { self.since };
+        self.carried = (self.carried - 1.0).max(0.0);
+        (Some(since), lost)
     }
 
     /// Its tokens and the refill it could not hold, brought up to `now`.
@@ -268,14 +286,14 @@ impl Envoy {
                 if lost > 0.0 {
                     log.refill_lost.push((now, lost));
                 }
-                if ok {
-                    log.admitted.push(Admitted { at: now, bucket_since: t.since });
+                if let Some(since) = ok {
+                    log.admitted.push(Admitted { at: now, bucket_since: since });
                     b.allowed += 1;
                 } else {
                     log.denied += 1;
                     b.denied += 1;
                 }
-                return ok;
+                return ok.is_some();
             }
             (Some(Held::Blanket(r)), false) => *r,
             (Some(_), true) => self.config.expired.unwrap_or(self.config.no_assignment),
@@ -381,12 +399,35 @@ impl Envoy {
                                 _ => {
                                     let secs = interval.seconds.max(0) as f64;
                                     log.buckets_created += 1;
+                                    let max = f64::from(tb.max_tokens);
+                                    // Envoy 1.33 and later: the old bucket's share,
+                                    // rounded down as its double becomes an integer.
+                                    let carried = match b.held {
+                                        Some(Held::Tokens(old))
+                                            if live && self.config.carries_tokens =>
+                                        {
+                                            let share = max * (old.left_at(now).0 / old.max);
+                                            let from = if old.carried > 0.0 {
+                                                old.carried_since
+                                            } else {
+                                                old.since
+                                            };
+                                            Some((share.floor(), from))
+                                        }
+                                        _ => None,
+                                    };
+                                    let (tokens, carried, carried_since) = match carried {
+                                        Some((t, from)) => (t, t, from),
+                                        None => (max, 0.0, now),
+                                    };
                                     Held::Tokens(Tokens {
-                                        max: f64::from(tb.max_tokens),
+                                        max,
                                         rate: f64::from(per_fill) / secs,
-                                        tokens: f64::from(tb.max_tokens),
+                                        tokens,
                                         last: now,
                                         since: now,
+                                        carried,
+                                        carried_since,
                                         identity,
                                     })
                                 }
@@ -398,7 +439,11 @@ impl Envoy {
                         let kept = matches!(held, Held::Tokens(t) if t.since == old.since);
                         if !kept {
                             let (left, lost) = old.left_at(now);
-                            log.discarded.push((now, left));
+                            let carried = match held {
+                                Held::Tokens(t) => t.carried,
+                                Held::Blanket(_) => 0.0,
+                            };
+                            log.discarded.push((now, (left - carried).max(0.0)));
                             if lost > 0.0 {
                                 log.refill_lost.push((now, lost));
                             }
@@ -552,6 +597,7 @@ pub async fn scale(buckets: usize, secs: u64, dir: &std::path::Path) -> anyhow::
             reporting_interval: Duration::from_secs(1),
             no_assignment: Blanket::Deny,
             expired: None,
+            carries_tokens: false,
         },
         clock.clone(),
     )?;

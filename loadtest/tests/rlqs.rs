@@ -5,7 +5,9 @@
 //! limits), each bucket offered twice its limit, split among the Envoys 1:2:...:10;
 //! half way through, the split is reversed (10:9:...:1). A second fleet moves half
 //! of its demand (five Envoys at three parts each and five at one, then the other
-//! way round). Judged per bucket by the
+//! way round). The reversed fleet runs again with Envoys 1.33 and later (a
+//! changed bucket starts with the old one's share of tokens, not full). Judged per
+//! bucket by the
 //! independent reference (`limiter-reference`) at zero tolerance: every admission
 //! may be placed no earlier than when the assignment that admitted it was sent
 //! (paid, in the server's round, before it was sent) and no later than when it was
@@ -140,14 +142,42 @@ type Arrival = (usize, usize, Nanos, bool);
 /// `10 - e`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn ten_envoys_share_zipf_buckets_within_their_limits_by_demand() {
-    fleet(|e, swung| if swung { (ENVOYS - e) as f64 } else { (e + 1) as f64 }).await;
+    fleet(reversed, Envoys::StartFull).await;
+}
+
+/// Envoy `e` offers `e + 1` parts, then `10 - e`.
+fn reversed(e: usize, swung: bool) -> f64 {
+    if swung { (ENVOYS - e) as f64 } else { (e + 1) as f64 }
+}
+
+/// Envoy `e` offers three parts and the others one, then the other way round.
+fn half_moved(e: usize, swung: bool) -> f64 {
+    if (e < ENVOYS / 2) != swung { 3.0 } else { 1.0 }
+}
+
+/// The reversed fleet of Envoys 1.33 and later, which start a changed token bucket
+/// with the old one's share of tokens: the server pays for a full bucket at each
+/// change all the same (it cannot tell an Envoy's version), so they admit no more
+/// than before, and the tokens the share leaves behind are paid for and unspent.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn envoys_that_carry_their_tokens_share_zipf_buckets_within_their_limits() {
+    fleet(reversed, Envoys::Carry).await;
+}
+
+/// How the fleet's Envoys start a changed token bucket.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Envoys {
+    /// Full (Envoy before 1.33).
+    StartFull,
+    /// With the old one's share of its tokens (Envoy 1.33 and later).
+    Carry,
 }
 
 /// Half of the fleet's demand moves: the first five Envoys offer three parts each
 /// and the last five one, then the other way round.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_swing_of_half_the_demand_is_rebalanced_within_the_limits() {
-    fleet(|e, swung| if (e < ENVOYS / 2) != swung { 3.0 } else { 1.0 }).await;
+    fleet(half_moved, Envoys::StartFull).await;
 }
 
 /// One fleet at a time: two at once would share the machine's two cores.
@@ -155,10 +185,11 @@ static ONE_FLEET_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_n
 
 /// Runs the fleet with Envoy `e` offered `weight(e, swung)` parts of each bucket's
 /// twice its limit, and judges it (see the module's documentation).
-async fn fleet(weight: fn(usize, bool) -> f64) {
+async fn fleet(weight: fn(usize, bool) -> f64, envoys_are: Envoys) {
     let _one = ONE_FLEET_AT_A_TIME.lock().await;
     let limits = limits();
     let clock: Arc<dyn Clock> = Arc::new(MonotonicClock::new());
+    let carrying = envoys_are == Envoys::Carry;
     let server = server(&policy(&limits), clock.clone()).await;
     let envoys: Vec<Arc<Envoy>> = (0..ENVOYS)
         .map(|_| {
@@ -168,6 +199,7 @@ async fn fleet(weight: fn(usize, bool) -> f64) {
                 reporting_interval: REPORTING,
                 no_assignment: Blanket::Deny,
                 expired: None,
+                carries_tokens: carrying,
             };
             Envoy::start(config, clock.clone()).unwrap()
         })
@@ -451,6 +483,7 @@ async fn a_drained_nodes_envoys_subscribe_elsewhere_with_nothing_over_the_limits
                 reporting_interval: DRAIN_REPORTING,
                 no_assignment: Blanket::Deny,
                 expired: None,
+                carries_tokens: false,
             };
             Envoy::start(config, clock.clone()).unwrap()
         })

@@ -73,7 +73,11 @@ async fn permits_are_lent_and_returned_locally_never_above_the_limit() {
         assert!(a.decide_local(&export()).is_none(), "the handle and the key share the pool");
         drop(p);
     }
-    assert_eq!(a.stats().owner_calls, calls, "no owner call for a permit the pool holds");
+    // One call: its place in the owner's line (taken when it was refused above)
+    // given up once a request was served from the pool, off the request's path;
+    // none for a permit the pool holds.
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert_eq!(a.stats().owner_calls, calls + 1, "the place given up, and no call for a permit");
     assert!(a.stats().local >= 1_000);
     drop(held);
     a.shutdown().await;

@@ -359,13 +359,17 @@ impl Inner {
     /// (`only`), units from its balance: the permit and the units left.
     #[inline]
     pub(super) fn take_local(
-        &self,
+        self: &Arc<Self>,
         slot: &Arc<Slot>,
         now: Nanos,
         cost: u64,
         only: bool,
     ) -> Option<(LocalPermit, u64)> {
         let permit = slot.take_permit(now, cost)?;
+        if let Some(pool) = slot.pool.get() {
+            // Served here: a place in the owner's line is waited in no longer.
+            self.give_up_place(slot, pool);
+        }
         if only {
             slot.balance.hit(now);
             return Some((permit, 0));
@@ -730,15 +734,27 @@ impl Inner {
     /// longer, so its place in the owner's line (if any) is given up, off the
     /// request's path.
     fn served_here(self: &Arc<Self>, slot: &Arc<Slot>, pool: &Pool, p: LocalPermit) -> Took {
-        // Read first: the swap (a write) only where there is a place to give up.
-        if pool.turn.load(Ordering::Relaxed) != 0 {
-            let turn = pool.turn.swap(0, Ordering::Relaxed);
-            if turn != 0 {
-                let (inner, slot) = (self.clone(), slot.clone());
-                tokio::spawn(async move { inner.leave_line(&slot, turn).await });
-            }
-        }
+        self.give_up_place(slot, pool);
         Took::Permit(p, false)
+    }
+
+    /// Gives up the pool's place in the owner's line, if it holds one, off the
+    /// request's path: a request served from the pool (on the fast path too) means
+    /// the pool waits no longer, and a place kept until it lapses (a fifth of a
+    /// second) holds permits that come back for a waiter that is gone. (Outside a
+    /// runtime, where the fast path may be called from, the place lapses.)
+    #[inline]
+    fn give_up_place(self: &Arc<Self>, slot: &Arc<Slot>, pool: &Pool) {
+        // Read first: the swap (a write) only where there is a place to give up.
+        if pool.turn.load(Ordering::Relaxed) == 0 {
+            return;
+        }
+        let Ok(rt) = tokio::runtime::Handle::try_current() else { return };
+        let turn = pool.turn.swap(0, Ordering::Relaxed);
+        if turn != 0 {
+            let (inner, slot) = (self.clone(), slot.clone());
+            rt.spawn(async move { inner.leave_line(&slot, turn).await });
+        }
     }
 
     /// Gives every block of `slot`'s pool back (a stopping gateway).

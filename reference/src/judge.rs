@@ -85,8 +85,9 @@ fn over(spec: Spec, spends: &[Spend]) -> Vec<usize> {
         }
         _ => {}
     }
-    let window_end = |s: &Spend| s.to.min(spec.window_bounds(s.from).1 - 1).max(s.from);
-    for v in [placed_at(spec, spends, |s| s.to), placed_at(spec, spends, window_end)] {
+    let late =
+        [placed_at(spec, spends, |s| s.to), placed_at(spec, spends, |s| window_end(spec, s))];
+    for v in late {
         if v.len() < best.len() {
             best = v;
         }
@@ -110,6 +111,11 @@ fn over(spec: Spec, spends: &[Spend]) -> Vec<usize> {
         });
     }
     best
+}
+
+/// The last instant of the window `s`'s first instant is in, within its span.
+fn window_end(spec: Spec, s: &Spend) -> u64 {
+    s.to.min(spec.window_bounds(s.from).1 - 1).max(s.from)
 }
 
 /// The most requests the exact check judges on a token bucket (its time grows with
@@ -269,6 +275,15 @@ mod tests {
         assert_eq!(judge(sc, &s, 10).overshoot, 1);
     }
 
+    /// What each heuristic leaves over.
+    fn heuristics(spec: Spec, s: &[Spend]) -> [usize; 3] {
+        [
+            earliest_first(spec, s).len(),
+            placed_at(spec, s, |x| x.to).len(),
+            placed_at(spec, s, |x| window_end(spec, x)).len(),
+        ]
+    }
+
     /// Requests that fit, in two pairs: in the first, one with room to spare must
     /// not take the unit the other has to have (as early as possible fails, and so
     /// does the end of the first window); in the second, the two must be apart (at
@@ -278,12 +293,8 @@ mod tests {
         let span = |from, to| Spend { from, to, cost: 1 };
         let tb = Spec::TokenBucket { amount: 1, period: 10, burst: 1 };
         let s = [span(0, 30), span(1, 2), span(1055, 1070), span(1058, 1066)];
-        let heuristics = [
-            earliest_first(tb, &s).len(),
-            placed_at(tb, &s, |s| s.to).len(),
-            placed_at(tb, &s, |s| s.to.min(tb.window_bounds(s.from).1 - 1).max(s.from)).len(),
-        ];
-        assert!(heuristics.iter().all(|&o| o > 0), "{heuristics:?}");
+        let each = heuristics(tb, &s);
+        assert!(each.iter().all(|&o| o > 0), "{each:?}");
         assert_eq!(judge(tb, &s, 100).overshoot, 0);
         // One more request where the second pair stands leaves a unit over.
         let mut more = s.to_vec();
@@ -292,12 +303,8 @@ mod tests {
 
         let fw = Spec::FixedWindow { limit: 1, window: 10 };
         let s = [span(0, 25), span(5, 9), span(35, 50), span(50, 55)];
-        let heuristics = [
-            earliest_first(fw, &s).len(),
-            placed_at(fw, &s, |s| s.to).len(),
-            placed_at(fw, &s, |s| s.to.min(fw.window_bounds(s.from).1 - 1).max(s.from)).len(),
-        ];
-        assert!(heuristics.iter().all(|&o| o > 0), "{heuristics:?}");
+        let each = heuristics(fw, &s);
+        assert!(each.iter().all(|&o| o > 0), "{each:?}");
         assert_eq!(judge(fw, &s, 100).overshoot, 0);
     }
 

@@ -19,7 +19,8 @@
 //! its last instant, or at the last instant of the window its first one is in (a
 //! sliding counter's previous window weighs least late in a window). On a token
 //! bucket whose traffic does not fit, each request they leave over is taken back in
-//! turn where the exact check says it still fits. The units of the requests left
+//! turn where the exact check says it still fits (up to 64 of them, on levels of up
+//! to 2,000 requests: each try is a whole check). The units of the requests left
 //! over are the overshoot: no tolerance, no slack. A figure above zero is exact for
 //! windows and otherwise what the best choice found could not place (a bound from
 //! above; never above zero when a check says the traffic fits).
@@ -94,7 +95,7 @@ fn over(spec: Spec, spends: &[Spend]) -> Vec<usize> {
     }
     if matches!(spec, Spec::TokenBucket { .. })
         && one_cost
-        && spends.len() <= EXACT_MOST
+        && spends.len() <= EXACT_READD_MOST
         && best.len() <= EXACT_READD
     {
         // Take back every request left over that still fits with the rest.
@@ -123,8 +124,10 @@ fn window_end(spec: Spec, s: &Spend) -> u64 {
 const EXACT_MOST: usize = 20_000;
 
 /// The most requests left over by the heuristics that are each tried back with the
-/// exact check.
+/// exact check, and the most requests on a level where they are (each try is a
+/// whole check).
 const EXACT_READD: usize = 64;
+const EXACT_READD_MOST: usize = 2_000;
 
 /// Whether the requests `keep` picks, all of one cost, fit a token bucket `spec` at
 /// some choice of instants (`crate::exact`).

@@ -28,6 +28,9 @@ pub fn one_length_feasible(jobs: &[(u128, u128)], p: u128) -> bool {
     if jobs.iter().any(|&(r, d)| d < r + p) {
         return false;
     }
+    if jobs.is_empty() {
+        return true;
+    }
     // Times moved on by a job's length, so that a forbidden region reaching back
     // before the first release has a start.
     let jobs: Vec<(u128, u128)> = jobs.iter().map(|&(r, d)| (r + p, d + p)).collect();
@@ -224,5 +227,7 @@ mod tests {
         assert_eq!(windows_unplaced(&jobs, 1).len(), 1);
         assert_eq!(windows_unplaced(&jobs, 2).len(), 0);
         assert_eq!(windows_unplaced(&jobs, 0).len(), 5);
+        assert!(windows_unplaced(&[], 1).is_empty());
+        assert!(one_length_feasible(&[], 1));
     }
 }

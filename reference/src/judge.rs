@@ -9,11 +9,10 @@
 //! - requests of one cost on a fixed or calendar window: the fewest left over by any
 //!   choice (windows filled in order, each with the requests whose last window is
 //!   nearest);
-//! - requests of one cost on a token bucket (up to a few thousand on a level):
-//!   whether some choice places them all. As early as possible is not always right
-//!   there: a request with room to spare can take the unit that one sent just after
-//!   it needs at once (found by a property test, and a likely cause of the one or
-//!   two units the busy-machine benchmarks judged over).
+//! - requests of one cost on a token bucket (up to 20,000 on a level): whether some
+//!   choice places them all. As early as possible is not always right there: a
+//!   request with room to spare can take the unit that one sent just after it needs
+//!   at once (the unit over that busy-machine benchmarks of an exact server showed).
 //!
 //! Otherwise two more ways are tried and the best of the three kept: each request at
 //! its last instant, or at the last instant of the window its first one is in (a

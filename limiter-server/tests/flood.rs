@@ -127,14 +127,18 @@ async fn floods_of_idle_and_half_sent_connections_leave_both_ports_serving() {
         // The median of three p99s each, before and while the flood is held (one
         // noisy second on this machine moves a single p99 by more than the bound).
         let before = median_p99(&mut c).await;
+        let flood_from = tokio::time::Instant::now();
         let held = flood(addr).await;
+        let connecting = flood_from.elapsed();
         // Measured while the flood is held: once the server has taken in the burst of
         // connects (its accept queue drained), not during the connects themselves.
         tokio::time::sleep(Duration::from_millis(500)).await;
         let during = median_p99(&mut c).await;
         println!(
-            "{port} flood: {} connections held by the client; p99 {before} µs before, {during} µs during",
-            held.len()
+            "{port} flood: {} connections held by the client (connected in {connecting:?}, \
+             measured until {:?} after the first); p99 {before} µs before, {during} µs during",
+            held.len(),
+            flood_from.elapsed()
         );
         assert!(
             during <= 5 * before.max(200),

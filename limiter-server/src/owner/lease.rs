@@ -356,11 +356,14 @@ impl Owner {
         let part = if rates { rate_part(&chain, shares, item, now) } else { None };
         let (ask, shares) = match part {
             // Its part of the rate already divides the chain among its holders:
-            // what is left is not divided again (a part of what is left would pay
-            // whoever asks first after a refill), only never exceeded.
-            Some((units, _)) => {
-                (Ask { want: ask.want.min(units), ..ask }, Shares { others: 0, ..shares })
-            }
+            // what is left is not divided again, by asks or by demands, only never
+            // exceeded (a part of what is left by demand gave each of several
+            // buyers a unit that bought no assignment and stayed out of the level
+            // until their next round).
+            Some((units, _)) => (
+                Ask { want: ask.want.min(units), ..ask },
+                Shares { others: 0, demand: (0, 0), ..shares },
+            ),
             None => (ask, shares),
         };
         (grant.rate_part, grant.rate_part_milli) = part.unwrap_or((0, 0));

@@ -22,18 +22,20 @@
 --                 previous lease's unspent units, grant time and hold, returned
 --                 first, ARGV[9] active holders of the chain (0: a node's slice,
 --                 never direct), ARGV[10] what the other active holders asked for in
---                 all, ARGV[11] a random draw below 2^32: one renewal in one call,
+--                 all, ARGV[11] a random draw below 2^32, ARGV[12] the least
+--                 grant the holder can use (0: any): one renewal in one call,
 --                 sized by the owner's grant rule (limiter-core's
 --                 `lease::grant_size`: the cap while what is left covers every ask,
 --                 else a part in proportion to the asks, its fraction paid with its
---                 probability; within half of what is left; at least the cost);
+--                 probability; within half of what is left; at least the cost;
+--                 nothing if less than the least);
 --                 direct mode when the tightest capacity is less than two costs per
 --                 active holder; nothing when the cost does not fit
 --   remaining     nothing
 --   inspect       nothing: reads every level, saves nothing
 -- ARGV[2]: now in microseconds, or -1 for Redis TIME (the default; tests pass fixed
 --   times to replay golden cases).
--- ARGV[12..]: per level its kind and parameters (see the algorithm's file): four
+-- ARGV[13..]: per level its kind and parameters (see the algorithm's file): four
 --   for tb, fw, sl and sc (the kind and three numbers); eight for the calendar
 --   windows cw and cc (the kind, the limit and six window starts).
 -- Returns an array of integers (times in microseconds):
@@ -66,7 +68,7 @@ end
 
 local levels = {}
 local k = 1
-local i = 12
+local i = 13
 while ARGV[i] do
   local algo = algorithms[ARGV[i]]
   if not algo then return redis.error_reply('unknown algorithm ' .. ARGV[i]) end
@@ -209,6 +211,7 @@ elseif op == 'lease' then
   end
   local share = math.min(fair, idiv(left, 2))
   local units = math.min(math.max(cost, share), left)
+  if units < tonumber(ARGV[12]) then units = 0 end
   if units == 0 or units < cost then
     save_all()
     return { 0, 0, now, hold, 0 }

@@ -196,6 +196,8 @@ pub struct Ask {
     pub hold: Nanos,
     /// The route's `max_batch` (no cap for a node's slice).
     pub most: u64,
+    /// The smallest grant the holder can use: less is not granted (0: any).
+    pub least: u64,
 }
 
 impl Ask {
@@ -286,7 +288,8 @@ pub fn goes_direct(capacity: u64, cost: u64, active: u64) -> bool {
 /// The grant rule: [`Ask::cap`] within the [`share`] of what is left, and never less
 /// than the waiting request's cost (when it fits).
 pub fn grant_size(ask: &Ask, remaining: u64, shares: &Shares) -> u64 {
-    share(remaining, ask.cap(), shares).max(ask.cost)
+    let units = share(remaining, ask.cap(), shares).max(ask.cost);
+    if units < ask.least { 0 } else { units }
 }
 
 #[cfg(test)]
@@ -344,7 +347,7 @@ mod grant_rule {
     const SEC: Nanos = NANOS_PER_SEC;
 
     fn ask() -> Ask {
-        Ask { want: 100, cost: 1, demand_per_sec: 1_000, hold: SEC, most: 500 }
+        Ask { want: 100, cost: 1, demand_per_sec: 1_000, hold: SEC, most: 500, least: 0 }
     }
 
     /// Plenty left for one holder.
@@ -387,6 +390,13 @@ mod grant_rule {
             0,
             "half of one unit is nothing"
         );
+        // Less than the least the holder can use is nothing; the least or more is
+        // granted as the rule sizes it.
+        let rate = Shares { active: 0, whole: true, ..Shares::default() };
+        let least = Ask { cost: 0, least: 3, ..ask() };
+        assert_eq!(grant_size(&least, 2, &rate), 0);
+        assert_eq!(grant_size(&least, 3, &rate), 3);
+        assert_eq!(grant_size(&least, 50, &rate), 50);
     }
 
     #[test]

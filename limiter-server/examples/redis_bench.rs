@@ -153,8 +153,11 @@ async fn main() {
             "lim:{t.acme}:k:4.acme:7./search:7.user-1:fw.100000000.3600000000.0",
             "decide",
             "-1",
-            // cost 1, not a dry run, then the five arguments other ops use
+            // cost 1, not a dry run, then the eight arguments other ops use
             "1",
+            "0",
+            "0",
+            "0",
             "0",
             "0",
             "0",

@@ -40,6 +40,7 @@ impl Inner {
             renews_within: Some(duration(self.rationed_every())),
             rates: false,
             demand_milli: 0,
+            least: 0,
         }
     }
 

@@ -1273,7 +1273,8 @@ impl Session {
             b.lease.1 = b.lease.1.saturating_add(need);
             tally.paid = tally.paid.saturating_sub(need);
             tally.extended = tally.extended.saturating_sub(1);
-            let item = b.item(want.max(1), paid_for);
+            // At least the keep's units: a rise that cannot be paid keeps its bucket.
+            let item = pb::LeaseItem { least: need, ..b.item(want.max(1), paid_for) };
             buys.push(Planned { name, keep_need: Some(need), item, rise: None });
         }
         if !buys.is_empty() {
@@ -1357,6 +1358,13 @@ impl Session {
                 let item = b.item(need, m.period_nanos);
                 keeps.push(Planned { item, rise: Some((want, paid_for, held)), ..planned });
             } else {
+                let mut planned = planned;
+                if buys_it && keep_need.is_none() {
+                    // A new bucket where it holds none: a grant that cannot buy the
+                    // smallest is no use to it, and would stay out of the level
+                    // until its next round.
+                    planned.item.least = MIN_CAPACITY + 1;
+                }
                 buys.push(planned);
             }
         }
@@ -1867,6 +1875,28 @@ mod tests {
         let small = s.owner.lease("rlqs:test:small", &[ask(3, 1_000)]).await.unwrap();
         assert_eq!((small[0].units, small[0].rate_part), (2, 3));
         assert_eq!(left(&s).await, 0);
+    }
+
+    /// A bucket holding nothing asks for at least the smallest new bucket: less
+    /// would buy nothing (several buyers each held a unit out of the level so).
+    #[tokio::test]
+    async fn a_new_buckets_ask_takes_no_less_than_the_smallest_bucket() {
+        let dir = tempfile::tempdir().unwrap();
+        let (mut s, now, _sent) = stream(&dir);
+        let mut denied = rising(now);
+        denied.sent = Some(Sent::Deny);
+        s.buckets.insert("b".into(), denied);
+        let m = s.moment(now);
+        let (keeps, buys) = s.plan(false, &m, &mut Vec::new());
+        assert!(keeps.is_empty());
+        assert_eq!((buys.len(), buys[0].item.least), (1, 3));
+        // 2 units left: nothing is granted, and both stay in the level.
+        s.owner.lease("other", &[buys[0].item.clone()]).await.unwrap();
+        let drain = pb::LeaseItem { want: left(&s).await - 2, ..buys[0].item.clone() };
+        let _ = s.owner.lease("other", &[pb::LeaseItem { least: 0, ..drain }]).await.unwrap();
+        assert_eq!(left(&s).await, 2);
+        let g = s.owner.lease("rlqs:test:1", &[buys[0].item.clone()]).await.unwrap();
+        assert_eq!((g[0].units, left(&s).await), (0, 2));
     }
 
     #[tokio::test]

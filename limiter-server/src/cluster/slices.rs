@@ -526,6 +526,7 @@ impl Cluster {
             renews_within: None,
             rates: false,
             demand_milli: 0,
+            least: 0,
         };
         let req = pb::LeaseRequest {
             agent_id: format!("node:{}", self.me.id),

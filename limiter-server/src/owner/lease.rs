@@ -297,6 +297,8 @@ impl Owner {
             } else {
                 chain.route.lease.max_batch.get()
             },
+            // Only a rate holder's: an agent's grant of any size is spent.
+            least: if rates { item.least } else { 0 },
         };
         // A divided level: the grant is no more than the request's class may take; a
         // class with nothing left refuses the waiting request. The class's demand is

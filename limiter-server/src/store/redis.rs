@@ -404,7 +404,7 @@ impl RedisStore {
         chain: &Chain<'_>,
         group: (usize, usize),
         now: Nanos,
-        args: [u64; 9],
+        args: [u64; 10],
     ) -> Result<Vec<i64>, ServerError> {
         let started = self.clock.now();
         if !self.breaker.allow(started) {

@@ -26,7 +26,7 @@ impl RedisStore {
                 chain,
                 group,
                 now,
-                [chain.cost, u64::from(dry_run), 0, 0, 0, 0, 0, 0, 0],
+                [chain.cost, u64::from(dry_run), 0, 0, 0, 0, 0, 0, 0, 0],
             )
             .await?;
         let get = |i: usize| r.get(i).copied().unwrap_or(0);
@@ -135,7 +135,7 @@ impl RedisStore {
     async fn give_back(&self, chain: &Chain<'_>, now: Nanos, charged: &[((usize, usize), Nanos)]) {
         for &(group, at) in charged {
             let _ = self
-                .call("refund", chain, group, now, [chain.cost, us(at), 0, 0, 0, 0, 0, 0, 0])
+                .call("refund", chain, group, now, [chain.cost, us(at), 0, 0, 0, 0, 0, 0, 0, 0])
                 .await;
         }
     }
@@ -155,7 +155,7 @@ impl RedisStore {
             return Ok(());
         }
         for group in self.groups(chain) {
-            self.call("charge", chain, group, now, [units, 0, 0, 0, 0, 0, 0, 0, 0]).await?;
+            self.call("charge", chain, group, now, [units, 0, 0, 0, 0, 0, 0, 0, 0, 0]).await?;
         }
         Ok(())
     }
@@ -182,7 +182,7 @@ impl RedisStore {
                 chain,
                 group,
                 now,
-                [units, us(granted_at), us(hold), 0, 0, 0, 0, 0, 0],
+                [units, us(granted_at), us(hold), 0, 0, 0, 0, 0, 0, 0],
             )
             .await?;
         }
@@ -217,7 +217,7 @@ impl RedisStore {
                     chain,
                     group,
                     now,
-                    [units, us(hold), need, back.0, us(back.1), us(back.2), 0, 0, 0],
+                    [units, us(hold), need, back.0, us(back.1), us(back.2), 0, 0, 0, 0],
                 )
                 .await;
             let r = match r {
@@ -230,7 +230,7 @@ impl RedisStore {
                                 chain,
                                 *g,
                                 now,
-                                [got.units, us(got.granted_at), us(got.hold), 0, 0, 0, 0, 0, 0],
+                                [got.units, us(got.granted_at), us(got.hold), 0, 0, 0, 0, 0, 0, 0],
                             )
                             .await;
                     }
@@ -278,7 +278,7 @@ impl RedisStore {
                         chain,
                         *g,
                         now,
-                        [got.units - units, us(got.granted_at), us(got.hold), 0, 0, 0, 0, 0, 0],
+                        [got.units - units, us(got.granted_at), us(got.hold), 0, 0, 0, 0, 0, 0, 0],
                     )
                     .await;
             }
@@ -348,6 +348,7 @@ impl RedisStore {
             renewal.shares.active,
             renewal.shares.others,
             renewal.shares.dice >> 32,
+            ask.least,
         ];
         let r = self.call("lease", chain, group, now, args).await?;
         let &[granted, units, at, hold, binding] = r.as_slice() else {
@@ -388,7 +389,7 @@ impl RedisStore {
         }
         let mut least = u64::MAX;
         for group in self.groups(chain) {
-            let r = self.call("remaining", chain, group, now, [0; 9]).await?;
+            let r = self.call("remaining", chain, group, now, [0; 10]).await?;
             least = least.min(u64::try_from(r.first().copied().unwrap_or(0)).unwrap_or(0));
         }
         Ok(least)
@@ -407,7 +408,7 @@ impl RedisStore {
     ) -> Result<Vec<(u64, Nanos)>, ServerError> {
         let mut out = Vec::with_capacity(chain.len());
         for group in self.groups(chain) {
-            let r = self.call("inspect", chain, group, now, [0; 9]).await?;
+            let r = self.call("inspect", chain, group, now, [0; 10]).await?;
             for pair in r.chunks_exact(2).take(group.1) {
                 out.push((u64::try_from(pair[0]).unwrap_or(0), ns(pair[1])));
             }

@@ -101,9 +101,6 @@ const COME_DOWN: f64 = 1.1;
 /// than the difference is worth. Seconds, for a rate that goes up (the Envoy's own
 /// loss while it waits) and for one that comes down (the others' loss: sooner).
 const CHANGE_PAYS_WITHIN: (f64, f64) = (2.0, 4.0);
-/// A bucket spends what its held rate refills where its demand is at least this
-/// factor of the rate (see [`worth_changing`]).
-const DRAINS: f64 = 1.25;
 /// A bucket whose part rose may buy its new bucket from what the new rate will earn
 /// over the held one in this many rounds (see [`Bucket::may_buy_capacity`]).
 const BUY_AHEAD_ROUNDS: f64 = 2.0;
@@ -254,20 +251,10 @@ impl Sent {
 }
 
 /// Whether changing a held rate `from` to `to` is worth a new bucket (see
-/// [`CHANGE_PAYS_WITHIN`]), for a bucket whose demand is `demand` a second. A rise
-/// where the demand spends both buckets as they refill ([`DRAINS`]) costs about a
-/// token, not a new bucket: the held one is all but empty when replaced, and the
-/// new one's tokens are spent (the slow parts of the fleet test sat at 1 a second
-/// against parts of 1.6-1.9 and demands of 3, as a rise of 0.8 a second never
-/// paid for 2 tokens within 2 s).
-fn worth_changing(from: f64, to: f64, burst: f64, demand: f64) -> bool {
+/// [`CHANGE_PAYS_WITHIN`]).
+fn worth_changing(from: f64, to: f64, burst: f64) -> bool {
     let within = if to > from { CHANGE_PAYS_WITHIN.0 } else { CHANGE_PAYS_WITHIN.1 };
-    let cost = if to > from && demand >= (from * DRAINS).max(to) {
-        1.0
-    } else {
-        capacity(to, burst) as f64
-    };
-    (from - to).abs() * within >= cost
+    (from - to).abs() * within >= capacity(to, burst) as f64
 }
 
 /// `rate` (units a second) as whole tokens per whole seconds, never above it: the
@@ -337,11 +324,10 @@ fn buy_ask(cap: u64, rate: f64, span: Nanos) -> u64 {
 /// where none is bought: its part is the others'), and changes where a new bucket
 /// would buy more than a tenth more and pay for itself soon (a change costs a full
 /// new bucket).
-fn keeps(held: Sent, changed: Sent, fair: f64, burst: f64, demand: f64) -> bool {
-    let comes_down =
-        held.rate() > fair * COME_DOWN && worth_changing(held.rate(), fair, burst, demand);
+fn keeps(held: Sent, changed: Sent, fair: f64, burst: f64) -> bool {
+    let comes_down = held.rate() > fair * COME_DOWN && worth_changing(held.rate(), fair, burst);
     let better = changed.rate() > held.rate() * KEEP_WITHIN
-        && worth_changing(held.rate(), changed.rate(), burst, demand);
+        && worth_changing(held.rate(), changed.rate(), burst);
     !comes_down && !better
 }
 
@@ -710,9 +696,7 @@ impl Bucket {
             c => c,
         };
         let (sent, used) = match (self.sent, keep_need) {
-            (Some(held), Some(need))
-                if units >= need && keeps(held, changed, fair, m.burst, self.demand) =>
-            {
+            (Some(held), Some(need)) if units >= need && keeps(held, changed, fair, m.burst) => {
                 (held, need)
             }
             _ => (changed, used),
@@ -1322,7 +1306,7 @@ impl Session {
             let keeps_it = b.sent.is_some_and(|s| {
                 s != Sent::Deny
                     && ((s.rate() <= fair * KEEP_WITHIN && s.rate() * KEEP_WITHIN >= fair)
-                        || !worth_changing(s.rate(), fair, m.burst, b.demand))
+                        || !worth_changing(s.rate(), fair, m.burst))
             });
             let cap = capacity(fair, m.burst);
             let buys_it = b.may_buy_capacity(cap, fair, m.now, m.round);
@@ -1538,21 +1522,12 @@ mod tests {
     fn a_rate_changes_only_where_the_difference_pays_for_the_new_bucket() {
         // Two tokens of capacity: up by a unit a second pays within 2 s, down by half
         // a unit within 4 s.
-        assert!(worth_changing(1.0, 2.0, 0.1, 0.0));
-        assert!(!worth_changing(1.0, 1.9, 0.1, 0.0));
-        assert!(worth_changing(2.0, 1.5, 0.1, 0.0));
-        assert!(!worth_changing(2.0, 1.6, 0.1, 0.0));
+        assert!(worth_changing(1.0, 2.0, 0.1));
+        assert!(!worth_changing(1.0, 1.9, 0.1));
+        assert!(worth_changing(2.0, 1.5, 0.1));
+        assert!(!worth_changing(2.0, 1.6, 0.1));
         // 100 to 90 a second: a new bucket of 9 tokens, worth it.
-        assert!(worth_changing(100.0, 90.0, 0.1, 0.0));
-        // A demand that drains both buckets: up by 0.8 a second pays within 2 s
-        // for the token or so left in the held one.
-        assert!(worth_changing(1.0, 1.8, 0.1, 3.0));
-        assert!(!worth_changing(1.0, 1.4, 0.1, 3.0));
-        // Not where the held bucket fills (demand under 1.25 times its rate), nor
-        // where the new one would (demand under its rate), nor coming down.
-        assert!(!worth_changing(1.0, 1.8, 0.1, 1.2));
-        assert!(!worth_changing(1.0, 1.8, 0.1, 1.7));
-        assert!(!worth_changing(2.0, 1.6, 0.1, 3.0));
+        assert!(worth_changing(100.0, 90.0, 0.1));
     }
 
     #[test]
@@ -1715,25 +1690,13 @@ mod tests {
         let smaller = Sent::Tokens { max_tokens: 2, tokens: 7, fill_secs: 1 };
         // Its part 8 a second: over by a quarter, down (to nothing if nothing
         // smaller was bought).
-        assert!(!keeps(held, smaller, 8.0, 0.1, 0.0));
-        assert!(!keeps(held, Sent::Deny, 8.0, 0.1, 0.0));
+        assert!(!keeps(held, smaller, 8.0, 0.1));
+        assert!(!keeps(held, Sent::Deny, 8.0, 0.1));
         // Within a tenth either way: held.
-        assert!(keeps(
-            held,
-            Sent::Tokens { max_tokens: 2, tokens: 11, fill_secs: 1 },
-            10.0,
-            0.1,
-            0.0
-        ));
-        assert!(keeps(held, Sent::Deny, 9.5, 0.1, 0.0));
+        assert!(keeps(held, Sent::Tokens { max_tokens: 2, tokens: 11, fill_secs: 1 }, 10.0, 0.1));
+        assert!(keeps(held, Sent::Deny, 9.5, 0.1));
         // A fifth more, and it pays within 2 s: changed.
-        assert!(!keeps(
-            held,
-            Sent::Tokens { max_tokens: 2, tokens: 12, fill_secs: 1 },
-            12.0,
-            0.1,
-            0.0
-        ));
+        assert!(!keeps(held, Sent::Tokens { max_tokens: 2, tokens: 12, fill_secs: 1 }, 12.0, 0.1));
     }
 
     #[test]

@@ -34,7 +34,9 @@
 //!   stream: `stream_swing`), so near
 //!   the limit the owner divides what is left in proportion to demand; a rate is never
 //!   sent direct, held back, cut to the route's `max_batch` or to half of what is
-//!   left (`LeaseItem::rates`).
+//!   left (`LeaseItem::rates`), and within its part gets what is left up to the ask;
+//!   a new bucket's ask gets nothing rather than less than the smallest bucket costs
+//!   (`LeaseItem::least`).
 //! - **Assignments** are token buckets: `tokens_per_fill` over a `fill_interval` of
 //!   whole seconds (Envoy reads no fraction of it, and a fill interval under a second
 //!   divides by zero there), `max_tokens` the rate over `rlqs.burst_ms` (at least 2),

@@ -1333,7 +1333,7 @@ impl Session {
                 continue;
             }
             let item = b.item(want.max(1), paid_for);
-            let planned = Planned { name: name.clone(), keep_need, item, rise: None };
+            let mut planned = Planned { name: name.clone(), keep_need, item, rise: None };
             if keep_need.is_some() && (keeps_it || !buys_it) {
                 keeps.push(planned);
             } else if let (Some(need @ 1..), Some(held @ Sent::Tokens { .. })) = (keep_need, b.sent)
@@ -1344,7 +1344,6 @@ impl Session {
                 let item = b.item(need, m.period_nanos);
                 keeps.push(Planned { item, rise: Some((want, paid_for, held)), ..planned });
             } else {
-                let mut planned = planned;
                 if buys_it && keep_need.is_none() {
                     // A new bucket where it holds none: a grant that cannot buy the
                     // smallest is no use to it, and would stay out of the level

@@ -234,7 +234,7 @@ impl Owner {
             return Ok(grant);
         }
         if item.want == 0 && item.cost == 0 {
-            self.leases().shares(self.leases().chain_id(item), holder, 0, 0, now);
+            self.leases().shares(self.leases().chain_id(item), holder, (0, 0), 0, now);
             self.give_back(&chain, now, back).await?;
             return Ok(grant);
         }
@@ -345,7 +345,9 @@ impl Owner {
                     0 => item.demand_per_sec.saturating_mul(book::DEMAND_SCALE),
                     milli => milli,
                 };
-                let mut s = self.leases().shares(cid, holder, ask.cap().max(ask.cost), demand, now);
+                let active_for = active_for(item, ask.hold, rates);
+                let asked = (ask.cap().max(ask.cost), demand);
+                let mut s = self.leases().shares(cid, holder, asked, active_for, now);
                 if rates {
                     // Never direct: a rate is divided however small the budget; and
                     // not held to half of what is left (see `Shares::whole`).
@@ -797,6 +799,21 @@ const ROUND_SHARE: u64 = 4;
 /// `hold`; 0 when it did not say.
 fn renews_within(item: &pb::LeaseItem, hold: Nanos) -> Nanos {
     item.renews_within.as_ref().map_or(0, convert::nanos_of).min(hold)
+}
+
+/// How long `item`'s holder counts among a chain's active holders after this ask,
+/// for a grant held `hold`: an agent renews a used key before its grant ends and
+/// asks again within its `renews_within` while refused, so one silent for longer has
+/// gone (dropped, or its key idle) and its part goes back to the others (counted for
+/// the book's two seconds, a dead agent's part was held back from the live ones for
+/// a second past its grant's end). A rate holder's `renews_within` is the period its
+/// ask pays for, not when it asks: it, and a holder that says nothing, count for the
+/// book's [`book::ACTIVE_FOR`].
+fn active_for(item: &pb::LeaseItem, hold: Nanos, rates: bool) -> Nanos {
+    match renews_within(item, Nanos::MAX) {
+        within if within > 0 && !rates => hold.saturating_add(within),
+        _ => book::ACTIVE_FOR,
+    }
 }
 
 /// A refusal of a holder's share (spent, or past it) made to stand until the holder's

@@ -13,8 +13,9 @@ use crate::metrics as m;
 /// A chain's identity in the book: tenant, route, key.
 type ChainKey = (Box<str>, Box<str>, Option<Box<str>>);
 
-/// A holder counts as active on a chain this long after its last ask for it.
-const ACTIVE_FOR: Nanos = 2 * NANOS_PER_SEC;
+/// A holder counts as active on a chain this long after its last ask for it, at
+/// most (an agent's ask says when it asks again: see `Owner::active_for`).
+pub(super) const ACTIVE_FOR: Nanos = 2 * NANOS_PER_SEC;
 
 /// The most chains whose asks are kept (beyond it, stale ones are dropped first and
 /// then the table is cleared: shares fall back to "plenty left" rules until the
@@ -58,6 +59,8 @@ struct Asked {
     /// Its reported demand, thousandths of a unit a second (0: not reported).
     demand: u64,
     seen: Nanos,
+    /// When it stops counting as active unless it asks again.
+    until: Nanos,
     /// Units granted less those given back, decayed by half every `GRANTED_HALF_LIFE`
     /// since `at`.
     granted: f64,
@@ -222,17 +225,19 @@ impl Leases {
 
     /// Records that `holder` asks for `cap` units of `chain` at `now` (0: it gives its
     /// lease back and asks nothing), at a demand of `demand` thousandths of a unit a
-    /// second ([`DEMAND_SCALE`]), and
-    /// returns who else is asking: what the grant rule divides near the limit.
+    /// second ([`DEMAND_SCALE`]), counting as active for `active_for` unless it asks
+    /// again (at most [`ACTIVE_FOR`]), and returns who else is asking: what the grant
+    /// rule divides near the limit.
     pub(super) fn shares(
         &self,
         chain: u64,
         holder: u64,
-        cap: u64,
-        demand: u64,
+        (cap, demand): (u64, u64),
+        active_for: Nanos,
         now: Nanos,
     ) -> Shares {
-        let fresh = |a: &Asked| now.saturating_sub(a.seen) < ACTIVE_FOR;
+        let until = now.saturating_add(active_for.min(ACTIVE_FOR));
+        let fresh = |a: &Asked| now < a.until;
         let mut asks = self.asks.lock();
         if asks.len() >= MAX_CHAINS && !asks.contains_key(&chain) {
             asks.retain(|_, e| {
@@ -263,13 +268,14 @@ impl Leases {
         match mine {
             Some(i) if cap > 0 => {
                 let a = &mut e.holders[i];
-                (a.cap, a.demand, a.seen) = (cap, demand, now);
+                (a.cap, a.demand, a.seen, a.until) = (cap, demand, now, until);
             }
             Some(i) => {
                 e.holders.swap_remove(i);
             }
             None if cap > 0 && e.holders.len() < MAX_HOLDERS => {
-                e.holders.push(Asked { holder, cap, demand, seen: now, granted: 0.0, at: now });
+                let a = Asked { holder, cap, demand, seen: now, until, granted: 0.0, at: now };
+                e.holders.push(a);
             }
             None => {}
         }
@@ -303,7 +309,8 @@ impl Leases {
         // Only holders that asked lately compete: near the limit a live holder asks
         // every round, and one gone quiet (dead, or idle) must not keep a share the
         // others are held back for.
-        let competing = || e.holders.iter().filter(|a| now.saturating_sub(a.seen) < NEAR_FOR);
+        let competing =
+            || e.holders.iter().filter(|a| now.saturating_sub(a.seen) < NEAR_FOR && now < a.until);
         if competing().count() < 2 {
             return None;
         }
@@ -369,7 +376,7 @@ impl Leases {
     /// Drops the asks of holders not seen for a while.
     fn forget_stale_asks(&self, now: Nanos) {
         self.asks.lock().retain(|_, e| {
-            e.holders.retain(|a| now.saturating_sub(a.seen) < ACTIVE_FOR);
+            e.holders.retain(|a| now < a.until);
             !e.holders.is_empty()
         });
     }
@@ -418,14 +425,31 @@ mod tests {
         let leases = Leases::default();
         let now = NANOS_PER_SEC;
         // Demands in thousandths of a unit a second.
-        leases.shares(1, 10, 3, 7_000, now);
-        let s = leases.shares(1, 11, 36, 72_000, now);
+        leases.shares(1, 10, (3, 7_000), ACTIVE_FOR, now);
+        let s = leases.shares(1, 11, (36, 72_000), ACTIVE_FOR, now);
         assert_eq!(s.demand, (72_000, 79_000));
         assert_eq!(s.others, 3);
-        let greedy = leases.shares(1, 12, 5, u64::MAX, now);
+        let greedy = leases.shares(1, 12, (5, u64::MAX), ACTIVE_FOR, now);
         assert_eq!(greedy.demand, (100_000, 179_000), "at most 20 a second per unit asked");
-        let honest = leases.shares(1, 10, 3, 7_000, now);
+        let honest = leases.shares(1, 10, (3, 7_000), ACTIVE_FOR, now);
         assert_eq!(honest.demand, (7_000, 179_000));
+    }
+
+    /// A holder counts among the active ones for as long as its ask said, at most the
+    /// book's two seconds: one silent past that is gone, and the others share alone.
+    #[test]
+    fn a_holder_silent_past_its_next_ask_no_longer_counts() {
+        let leases = Leases::default();
+        let now = NANOS_PER_SEC;
+        let ms = NANOS_PER_SEC / 1_000;
+        leases.shares(1, 10, (20, 50_000), 1_250 * ms, now);
+        leases.shares(1, 12, (20, 50_000), 10 * ACTIVE_FOR, now);
+        let s = leases.shares(1, 11, (20, 50_000), 1_250 * ms, now + 1_249 * ms);
+        assert_eq!((s.active, s.others), (3, 40), "both others within their time");
+        let s = leases.shares(1, 11, (20, 50_000), 1_250 * ms, now + 1_250 * ms);
+        assert_eq!((s.active, s.others, s.demand), (2, 20, (50_000, 100_000)), "10 gone");
+        let s = leases.shares(1, 11, (20, 50_000), 1_250 * ms, now + ACTIVE_FOR);
+        assert_eq!((s.active, s.others), (1, 0), "no longer than the book's time");
     }
 
     /// Near the limit a holder is weighed by what it took and kept: a holder that
@@ -437,8 +461,8 @@ mod tests {
         let leases = Leases::default();
         let now = NANOS_PER_SEC;
         // Two holders of equal demand, near the limit.
-        leases.shares(1, 10, 20, 50_000, now);
-        leases.shares(1, 11, 20, 50_000, now);
+        leases.shares(1, 10, (20, 50_000), ACTIVE_FOR, now);
+        leases.shares(1, 11, (20, 50_000), ACTIVE_FOR, now);
         leases.cut(1, now);
         // Each took 30 units; holder 10 renewed twice more, giving back 20 of 30 each
         // time.

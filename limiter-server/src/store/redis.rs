@@ -397,14 +397,15 @@ impl RedisStore {
         }
     }
 
-    /// One script call on the levels `group` of `chain`.
+    /// One script call on the levels `group` of `chain`, with the op's arguments
+    /// (`ARGV[3..]` before the levels: see [`op_args`]).
     async fn call(
         &self,
         op: &'static str,
         chain: &Chain<'_>,
         group: (usize, usize),
         now: Nanos,
-        args: [u64; 10],
+        args: [u64; OP_ARGS],
     ) -> Result<Vec<i64>, ServerError> {
         let started = self.clock.now();
         if !self.breaker.allow(started) {
@@ -468,6 +469,18 @@ impl RedisStore {
         }
         Err(error.into())
     }
+}
+
+/// How many arguments every op of the chain script takes before the levels
+/// (`ARGV[3..12]` of `lua/chain.lua`; an op reads the ones it needs).
+const OP_ARGS: usize = 10;
+
+/// An op's arguments, `head` then zeros: the script reads the levels from a fixed
+/// place, so every call passes all [`OP_ARGS`].
+fn op_args(head: &[u64]) -> [u64; OP_ARGS] {
+    let mut args = [0; OP_ARGS];
+    args[..head.len()].copy_from_slice(head);
+    args
 }
 
 #[cfg(test)]

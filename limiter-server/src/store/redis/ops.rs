@@ -7,7 +7,7 @@ use limiter_core::decision::{Binding, Decision};
 use limiter_core::policy::Chain;
 use limiter_core::{Grant, Verdict};
 
-use super::{Decided, Granted, MICRO, RedisStore, ns, us};
+use super::{Decided, Granted, MICRO, RedisStore, ns, op_args, us};
 use crate::error::{ServerError, StoreError};
 use crate::metrics as m;
 use crate::store::{Charged, Leased, Renewal};
@@ -21,13 +21,7 @@ impl RedisStore {
         dry_run: bool,
     ) -> Result<Decided, ServerError> {
         let r = self
-            .call(
-                "decide",
-                chain,
-                group,
-                now,
-                [chain.cost, u64::from(dry_run), 0, 0, 0, 0, 0, 0, 0, 0],
-            )
+            .call("decide", chain, group, now, op_args(&[chain.cost, u64::from(dry_run)]))
             .await?;
         let get = |i: usize| r.get(i).copied().unwrap_or(0);
         let d = Decided {
@@ -134,9 +128,7 @@ impl RedisStore {
     /// a failure here under-admits, never over-admits).
     async fn give_back(&self, chain: &Chain<'_>, now: Nanos, charged: &[((usize, usize), Nanos)]) {
         for &(group, at) in charged {
-            let _ = self
-                .call("refund", chain, group, now, [chain.cost, us(at), 0, 0, 0, 0, 0, 0, 0, 0])
-                .await;
+            let _ = self.call("refund", chain, group, now, op_args(&[chain.cost, us(at)])).await;
         }
     }
 
@@ -155,7 +147,7 @@ impl RedisStore {
             return Ok(());
         }
         for group in self.groups(chain) {
-            self.call("charge", chain, group, now, [units, 0, 0, 0, 0, 0, 0, 0, 0, 0]).await?;
+            self.call("charge", chain, group, now, op_args(&[units])).await?;
         }
         Ok(())
     }
@@ -177,14 +169,8 @@ impl RedisStore {
             return Ok(());
         }
         for group in self.groups(chain) {
-            self.call(
-                "refund",
-                chain,
-                group,
-                now,
-                [units, us(granted_at), us(hold), 0, 0, 0, 0, 0, 0, 0],
-            )
-            .await?;
+            self.call("refund", chain, group, now, op_args(&[units, us(granted_at), us(hold)]))
+                .await?;
         }
         Ok(())
     }
@@ -217,7 +203,7 @@ impl RedisStore {
                     chain,
                     group,
                     now,
-                    [units, us(hold), need, back.0, us(back.1), us(back.2), 0, 0, 0, 0],
+                    op_args(&[units, us(hold), need, back.0, us(back.1), us(back.2)]),
                 )
                 .await;
             let r = match r {
@@ -230,7 +216,7 @@ impl RedisStore {
                                 chain,
                                 *g,
                                 now,
-                                [got.units, us(got.granted_at), us(got.hold), 0, 0, 0, 0, 0, 0, 0],
+                                op_args(&[got.units, us(got.granted_at), us(got.hold)]),
                             )
                             .await;
                     }
@@ -278,7 +264,7 @@ impl RedisStore {
                         chain,
                         *g,
                         now,
-                        [got.units - units, us(got.granted_at), us(got.hold), 0, 0, 0, 0, 0, 0, 0],
+                        op_args(&[got.units - units, us(got.granted_at), us(got.hold)]),
                     )
                     .await;
             }
@@ -389,7 +375,7 @@ impl RedisStore {
         }
         let mut least = u64::MAX;
         for group in self.groups(chain) {
-            let r = self.call("remaining", chain, group, now, [0; 10]).await?;
+            let r = self.call("remaining", chain, group, now, op_args(&[])).await?;
             least = least.min(u64::try_from(r.first().copied().unwrap_or(0)).unwrap_or(0));
         }
         Ok(least)
@@ -408,7 +394,7 @@ impl RedisStore {
     ) -> Result<Vec<(u64, Nanos)>, ServerError> {
         let mut out = Vec::with_capacity(chain.len());
         for group in self.groups(chain) {
-            let r = self.call("inspect", chain, group, now, [0; 10]).await?;
+            let r = self.call("inspect", chain, group, now, op_args(&[])).await?;
             for pair in r.chunks_exact(2).take(group.1) {
                 out.push((u64::try_from(pair[0]).unwrap_or(0), ns(pair[1])));
             }

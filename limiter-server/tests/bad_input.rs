@@ -52,26 +52,43 @@ async fn each_bad_request_is_refused_and_the_server_keeps_serving() {
         c.should_allow_batch(pb::ShouldAllowBatchRequest { requests: vec![] }).await.unwrap_err();
     assert_eq!(e.code(), Code::InvalidArgument);
     assert!(c.should_allow(ask("acme", "/r")).await.unwrap().into_inner().allowed);
-    // A client cannot lease a node's slice of a root level, nor name a class's.
+    // A client cannot lease a node's slice of a root level, nor name a class's, nor
+    // ask as the RLQS service's rate holder does.
+    let item = |level: pb::Scope, class: &str| pb::LeaseItem {
+        route: "/r".into(),
+        want: 5,
+        cost: 1,
+        level: level.into(),
+        share_class: class.into(),
+        ..Default::default()
+    };
     let slice = |level: pb::Scope, class: &str| pb::LeaseRequest {
         agent_id: "gw-1".into(),
-        items: vec![pb::LeaseItem {
-            route: "/r".into(),
-            want: 5,
-            cost: 1,
-            level: level.into(),
-            share_class: class.into(),
-            ..Default::default()
-        }],
+        items: vec![item(level, class)],
+        epoch: 0,
+    };
+    let held = |rates: bool, least: u64| pb::LeaseRequest {
+        agent_id: "gw-1".into(),
+        items: vec![
+            item(pb::Scope::Unspecified, ""),
+            pb::LeaseItem { rates, least, ..item(pb::Scope::Unspecified, "") },
+        ],
         epoch: 0,
     };
     for (req, field) in [
         (slice(pb::Scope::Global, ""), "items[0]: level"),
         (slice(pb::Scope::Unspecified, "gold"), "items[0]: share_class"),
+        (held(true, 0), "items[1]: rates"),
+        (held(true, 3), "items[1]: rates"),
+        (held(false, 3), "items[1]: least"),
     ] {
         let e = c.lease(req).await.unwrap_err();
         assert_eq!(e.code(), Code::InvalidArgument);
         assert!(e.message().starts_with(field), "`{}` should name `{field}`", e.message());
+        // The whole request is refused: its valid first item leased nothing.
+        let ok =
+            c.should_allow(pb::ShouldAllowRequest { dry_run: true, ..ask("acme", "/r") }).await;
+        assert_eq!(ok.unwrap().into_inner().remaining, 9, "after `{field}`");
     }
     // Refusals are counted by field, with no tenant in any label.
     let (_, metrics) = s.get("/metrics").await;

@@ -269,12 +269,14 @@ pub async fn lease(
             ServerError::invalid(field, "slices of root levels are leased by nodes only"),
         ));
     }
-    // A rate holder's asks are not cut to the batch: the server's own RLQS service
-    // makes them (through `lease_routed`), never a client.
+    // A rate holder's asks are not cut to the batch and may name the least they take:
+    // the server's own RLQS service makes them (through `lease_routed`), never a
+    // client (a client's `least` would otherwise be dropped without a word).
     if hop == 0
-        && let Some(i) = req.items.iter().position(|i| i.rates)
+        && let Some(i) = req.items.iter().position(|i| i.rates || i.least != 0)
     {
-        return Err((i, ServerError::invalid("rates", "set by the server's RLQS service only")));
+        let field = if req.items[i].rates { "rates" } else { "least" };
+        return Err((i, ServerError::invalid(field, "set by the server's RLQS service only")));
     }
     lease_routed(owner, req, hop).await
 }

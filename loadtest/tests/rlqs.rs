@@ -248,8 +248,11 @@ async fn fleet(weight: fn(usize, bool) -> f64, envoys_are: Envoys) {
     let warm = start + WARM_UP.as_nanos() as u64;
     let mut levels: HashMap<usize, Level> = HashMap::new();
     let (mut ideal, mut got) = (0u64, 0u64);
-    // Use before the swing and after it, apart: (the reference's, the fleet's).
-    let mut use_by_phase = [(0u64, 0u64); 2];
+    // Use before the swing, in the four reporting intervals after it (while the
+    // Envoys' reports show it and their buckets change) and after those, apart:
+    // (the reference's, the fleet's).
+    let mut use_by_phase = [(0u64, 0u64); 3];
+    let steady = start + (SWING_AT + 4 * REPORTING).as_nanos() as u64;
     let mut by_bucket = vec![(0u64, 0u64); BUCKETS];
     let mut admitted = [[0u64; 2]; ENVOYS];
     // After the swing, by the size of the bucket: (offered, admitted) per Envoy.
@@ -264,7 +267,8 @@ async fn fleet(weight: fn(usize, bool) -> f64, envoys_are: Envoys) {
         if at >= warm {
             ideal += u64::from(fits);
             got += u64::from(ok);
-            let p = usize::from(at >= start + SWING_AT.as_nanos() as u64);
+            let p =
+                usize::from(at >= start + SWING_AT.as_nanos() as u64) + usize::from(at >= steady);
             use_by_phase[p].0 += u64::from(fits);
             use_by_phase[p].1 += u64::from(ok);
             by_bucket[b].0 += u64::from(fits);
@@ -298,9 +302,11 @@ async fn fleet(weight: fn(usize, bool) -> f64, envoys_are: Envoys) {
     let pct = |(i, g): (u64, u64)| g as f64 * 100.0 / i.max(1) as f64;
     let _ = writeln!(
         report,
-        "use from the warm-up to the swing {:.1}%, from the swing on {:.1}%",
+        "use from the warm-up to the swing {:.1}%, in the {} s after it {:.1}%, after those {:.1}%",
         pct(use_by_phase[0]),
-        pct(use_by_phase[1])
+        (4 * REPORTING).as_secs_f64(),
+        pct(use_by_phase[1]),
+        pct(use_by_phase[2])
     );
     let per: Vec<String> = by_bucket
         .iter()

@@ -252,7 +252,8 @@ async fn fleet(weight: fn(usize, bool) -> f64, envoys_are: Envoys) {
     // Envoys' reports show it and their buckets change) and after those, apart:
     // (the reference's, the fleet's).
     let mut use_by_phase = [(0u64, 0u64); 3];
-    let steady = start + (SWING_AT + 4 * REPORTING).as_nanos() as u64;
+    let transition = 4 * REPORTING;
+    let steady = start + (SWING_AT + transition).as_nanos() as u64;
     let mut by_bucket = vec![(0u64, 0u64); BUCKETS];
     let mut admitted = [[0u64; 2]; ENVOYS];
     // After the swing, by the size of the bucket: (offered, admitted) per Envoy.
@@ -267,8 +268,7 @@ async fn fleet(weight: fn(usize, bool) -> f64, envoys_are: Envoys) {
         if at >= warm {
             ideal += u64::from(fits);
             got += u64::from(ok);
-            let p =
-                usize::from(at >= start + SWING_AT.as_nanos() as u64) + usize::from(at >= steady);
+            let p = usize::from(at >= swing) + usize::from(at >= steady);
             use_by_phase[p].0 += u64::from(fits);
             use_by_phase[p].1 += u64::from(ok);
             by_bucket[b].0 += u64::from(fits);
@@ -304,7 +304,7 @@ async fn fleet(weight: fn(usize, bool) -> f64, envoys_are: Envoys) {
         report,
         "use from the warm-up to the swing {:.1}%, in the {} s after it {:.1}%, after those {:.1}%",
         pct(use_by_phase[0]),
-        (4 * REPORTING).as_secs_f64(),
+        transition.as_secs_f64(),
         pct(use_by_phase[1]),
         pct(use_by_phase[2])
     );

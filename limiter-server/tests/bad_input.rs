@@ -67,20 +67,22 @@ async fn each_bad_request_is_refused_and_the_server_keeps_serving() {
         items: vec![item(level, class)],
         epoch: 0,
     };
-    let held = |rates: bool, least: u64| pb::LeaseRequest {
+    let held = |rates: bool, least: u64, after_keeps: bool| pb::LeaseRequest {
         agent_id: "gw-1".into(),
         items: vec![
             item(pb::Scope::Unspecified, ""),
-            pb::LeaseItem { rates, least, ..item(pb::Scope::Unspecified, "") },
+            pb::LeaseItem { rates, least, after_keeps, ..item(pb::Scope::Unspecified, "") },
         ],
         epoch: 0,
     };
     for (req, field) in [
         (slice(pb::Scope::Global, ""), "items[0]: level"),
         (slice(pb::Scope::Unspecified, "gold"), "items[0]: share_class"),
-        (held(true, 0), "items[1]: rates"),
-        (held(true, 3), "items[1]: rates"),
-        (held(false, 3), "items[1]: least"),
+        (held(true, 0, false), "items[1]: rates"),
+        (held(true, 3, true), "items[1]: rates"),
+        (held(false, 3, false), "items[1]: least"),
+        (held(false, 3, true), "items[1]: least"),
+        (held(false, 0, true), "items[1]: after_keeps"),
     ] {
         let e = c.lease(req).await.unwrap_err();
         assert_eq!(e.code(), Code::InvalidArgument);

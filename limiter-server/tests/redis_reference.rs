@@ -295,7 +295,7 @@ async fn the_lease_script_divides_what_is_left_as_the_grant_rule_does() {
             whole: false,
         };
         near += u64::from(ask.cap() + shares.others > limit - spent);
-        let renewal = Renewal { back: None, ask, shares };
+        let renewal = Renewal { back: None, ask, shares, keep_back: (0, 0) };
         let at = now + 1;
         let from_redis = redis_store.lease(&chain, at, &renewal).await.unwrap();
         let from_memory = memory.lease(&chain, at, &renewal).await.unwrap();

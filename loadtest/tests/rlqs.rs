@@ -319,31 +319,36 @@ async fn fleet(weight: fn(usize, bool) -> f64, envoys_are: Envoys) {
     // an assignment replaced, and requests refused under `DENY_ALL` (all of an
     // Envoy's demand while it held nothing), each in units of the limits.
     let logs: Vec<_> = envoys.iter().map(|e| e.logs()).collect();
-    let secs = (RUN - WARM_UP).as_secs_f64();
-    let mut lost = String::new();
-    for (label, range) in SIZES {
-        let (mut refill, mut left, mut denied) = (0.0, 0.0, 0usize);
-        for b in range.clone() {
-            for log in logs.iter().filter_map(|l| l.get(&bucket_name(&ids[b]))) {
-                refill += log.refill_lost.iter().filter(|x| x.0 >= warm).map(|x| x.1).sum::<f64>();
-                left += log.discarded.iter().filter(|x| x.0 >= warm).map(|x| x.1).sum::<f64>();
-                denied += log.denied_blanket.iter().filter(|&&at| at >= warm).count();
+    let end = start + RUN.as_nanos() as u64;
+    for (phase, (from, to)) in [("before the swing", (warm, swing)), ("after it", (swing, end))] {
+        let secs = (to - from) as f64 / NANOS_PER_SEC as f64;
+        let within = |at: Nanos| at >= from && at < to;
+        let mut lost = String::new();
+        for (label, range) in SIZES {
+            let (mut refill, mut left, mut denied) = (0.0, 0.0, 0usize);
+            for b in range.clone() {
+                for log in logs.iter().filter_map(|l| l.get(&bucket_name(&ids[b]))) {
+                    refill +=
+                        log.refill_lost.iter().filter(|x| within(x.0)).map(|x| x.1).sum::<f64>();
+                    left += log.discarded.iter().filter(|x| within(x.0)).map(|x| x.1).sum::<f64>();
+                    denied += log.denied_blanket.iter().filter(|&&at| within(at)).count();
+                }
             }
+            let limit = range.map(|b| limits[b] as f64).sum::<f64>() * secs / 100.0;
+            let _ = write!(
+                lost,
+                " {label} {:.1}% / {:.1}% / {:.1}%;",
+                refill / limit,
+                left / limit,
+                denied as f64 / limit
+            );
         }
-        let limit = range.map(|b| limits[b] as f64).sum::<f64>() * secs / 100.0;
-        let _ = write!(
-            lost,
-            " {label} {:.1}% / {:.1}% / {:.1}%;",
-            refill / limit,
-            left / limit,
-            denied as f64 / limit
+        let _ = writeln!(
+            report,
+            "unspent at the Envoys {phase} (refill while full / left in replaced buckets / \
+             refused under DENY_ALL, of the limits):{lost}"
         );
     }
-    let _ = writeln!(
-        report,
-        "unspent at the Envoys (refill while full / left in replaced buckets / refused \
-         under DENY_ALL, of the limits):{lost}"
-    );
     let mut off_by = [0.0f64; 2];
     for p in 0..2 {
         let total: u64 = admitted.iter().map(|a| a[p]).sum();

@@ -41,6 +41,7 @@ impl Inner {
             rates: false,
             demand_milli: 0,
             least: 0,
+            after_keeps: false,
         }
     }
 

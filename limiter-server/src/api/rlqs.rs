@@ -21,9 +21,11 @@
 //!   Envoy spends one bucket or the other, never both). What the grant
 //!   does not cover is not assigned: the rate comes down, to `DENY_ALL` at nothing.
 //!   Units a round did not use go back with the next round's call (refunded
-//!   exactly). Keeps are paid first, new buckets asked for `BUYS_AFTER` later (a
-//!   bucket that rises pays its keep with the keeps and hands it back with its new
-//!   bucket's ask). So while rounds arrive, every unit an Envoy can admit was paid before
+//!   exactly). Keeps are paid first; `BUYS_AFTER` later (spread over
+//!   `BUYS_SPREAD` among streams) new buckets where the Envoy holds none, and
+//!   `BUYS_SPREAD` after those the changes (a bucket that rises pays its keep with
+//!   the keeps and hands it back with its new bucket's ask), each leaving the next
+//!   keeps their units (`LeaseItem::after_keeps`). So while rounds arrive, every unit an Envoy can admit was paid before
 //!   it could be spent, from the same levels every other caller spends: exact. When
 //!   they stop (this node dies, or is cut off from its Envoys), an Envoy goes on
 //!   spending its last assignment until its TTL: at most its rate over the TTL past
@@ -36,7 +38,9 @@
 //!   sent direct, held back, cut to the route's `max_batch` or to half of what is
 //!   left (`LeaseItem::rates`), and within its part gets what is left up to the ask;
 //!   a new bucket's ask gets nothing rather than less than the smallest bucket costs
-//!   (`LeaseItem::least`).
+//!   (`LeaseItem::least`). A stock the rounds leave in a level of token buckets
+//!   (held rates run below their parts within what a change is worth) is divided
+//!   into the parts too, beyond what new buckets leave for the keeps.
 //! - **Assignments** are token buckets: `tokens_per_fill` over a `fill_interval` of
 //!   whole seconds (Envoy reads no fraction of it, and a fill interval under a second
 //!   divides by zero there), `max_tokens` the rate over `rlqs.burst_ms` (at least 2),
@@ -96,6 +100,9 @@ use crate::metrics::{
 const KEEP_WITHIN: f64 = 1.1;
 /// A rate held above its part by more than this factor comes down.
 const COME_DOWN: f64 = 1.1;
+/// A rate held above its part by more than this factor comes down to `DENY_ALL`
+/// where no smaller bucket was bought (see [`keeps`]).
+const COME_DOWN_WHOLE: f64 = 1.5;
 /// How soon a change of rate must pay for its new bucket: a held rate is changed
 /// only where the difference over this long is at least the new bucket's
 /// `max_tokens` (what the change costs at once). A slow part's rate moves with the
@@ -122,6 +129,8 @@ const DEMAND_WEIGHT: f64 = 0.25;
 /// How long after a round's keeps its buys and probes ask (at most half the
 /// delivery slack): see [`Session::round`].
 const BUYS_AFTER: Duration = Duration::from_millis(20);
+/// How far apart the streams' buys of one round are spread (see [`Session::round`]).
+const BUYS_SPREAD: Duration = Duration::from_millis(10);
 /// Two measures in a row off the estimate the same way, each short of a swing, are
 /// a shift of demand where together (as one measure over both spans, against the
 /// estimate before them) they are this many standard deviations off, on the
@@ -322,12 +331,19 @@ fn buy_ask(cap: u64, rate: f64, span: Nanos) -> u64 {
 /// Whether a paid bucket `held` is kept against `changed`, what the grant buys
 /// instead, for a bucket that should hold `fair` (see [`KEEP_WITHIN`],
 /// [`COME_DOWN`]): it comes down where it is over its part by more than a tenth and
-/// coming down pays for the new bucket soon (to a smaller bucket, or to nothing
-/// where none is bought: its part is the others'), and changes where a new bucket
+/// coming down pays for the new bucket soon (to a smaller bucket; to nothing only
+/// where its part cannot hold a bucket at all), and changes where a new bucket
 /// would buy more than a tenth more and pay for itself soon (a change costs a full
-/// new bucket).
+/// new bucket). A bucket less than [`COME_DOWN_WHOLE`] over its part for which
+/// nothing smaller was bought keeps what it holds while its keep is paid: sent
+/// `DENY_ALL` instead, its tokens were lost and its Envoy refused until it bought
+/// a bucket again, a full one, from the units its part left in the level (a part a
+/// little off the held rate is often the noise of a few requests).
 fn keeps(held: Sent, changed: Sent, fair: f64, burst: f64) -> bool {
-    let comes_down = held.rate() > fair * COME_DOWN && worth_changing(held.rate(), fair, burst);
+    let to_nothing = tokens_for(fair).is_none() || held.rate() > fair * COME_DOWN_WHOLE;
+    let comes_down = held.rate() > fair * COME_DOWN
+        && worth_changing(held.rate(), fair, burst)
+        && (changed != Sent::Deny || to_nothing);
     let better = changed.rate() > held.rate() * KEEP_WITHIN
         && worth_changing(held.rate(), changed.rate(), burst);
     !comes_down && !better
@@ -1260,16 +1276,51 @@ impl Session {
             tally.paid = tally.paid.saturating_sub(need);
             tally.extended = tally.extended.saturating_sub(1);
             // At least the keep's units: a rise that cannot be paid keeps its bucket.
-            let item = pb::LeaseItem { least: need, ..b.item(want.max(1), paid_for) };
+            let item =
+                pb::LeaseItem { least: need, after_keeps: true, ..b.item(want.max(1), paid_for) };
             buys.push(Planned { name, keep_need: Some(need), item, rise: None });
         }
         if !buys.is_empty() {
             if kept_any && !fresh_only {
                 self.send(std::mem::take(&mut actions)).await;
-                tokio::time::sleep(BUYS_AFTER.min(self.config.slack / 2)).await;
+                // Streams' buys take what is left first come: a draw of up to
+                // `BUYS_SPREAD` a round, so that no stream's come last every round (a
+                // trace: one stream's new bucket granted nothing for 19 rounds in a
+                // row, the others' buys having taken what was left each time).
+                let draw = std::hash::BuildHasher::hash_one(
+                    &std::collections::hash_map::RandomState::new(),
+                    (m.now, &self.holder),
+                );
+                let spread = Duration::from_nanos(draw % nanos(BUYS_SPREAD).max(1));
+                let after = (BUYS_AFTER + spread).min(self.config.slack / 4);
+                tokio::time::sleep(after).await;
             }
-            let later = Moment { now: self.owner.clock().now().max(m.now), ..m };
-            self.pay_and_settle(buys, later, &mut tally, &mut actions).await;
+            // Buckets where the Envoy has held none for a round first (it refuses
+            // all until then), then every stream's changes, [`BUYS_SPREAD`] later: a
+            // rise asks for more than a new bucket, and first come it took what the
+            // smallest holders' buckets needed (a holder of the smallest parts
+            // refused for seconds, its share a tenth short). One just sent
+            // `DENY_ALL` waits with the changes: first, the buckets that fell in a
+            // swing bought their new ones at once, each a full bucket over its part.
+            let round = nanos(self.config.round);
+            let waited = |p: &Planned| {
+                self.buckets.get(&p.name).is_some_and(|b| {
+                    b.sent.is_none()
+                        || b.sent == Some(Sent::Deny) && m.now.saturating_sub(b.sent_at) > round
+                })
+            };
+            let (fresh, changes): (Vec<_>, Vec<_>) =
+                buys.into_iter().partition(|p| p.keep_need.is_none() && waited(p));
+            for (i, buys) in [fresh, changes].into_iter().enumerate() {
+                if buys.is_empty() {
+                    continue;
+                }
+                if i > 0 && kept_any && !fresh_only {
+                    tokio::time::sleep(BUYS_SPREAD.min(self.config.slack / 4)).await;
+                }
+                let later = Moment { now: self.owner.clock().now().max(m.now), ..m };
+                self.pay_and_settle(buys, later, &mut tally, &mut actions).await;
+            }
         }
         tally.record();
         self.send(actions).await;
@@ -1350,6 +1401,7 @@ impl Session {
                     // until its next round.
                     planned.item.least = MIN_CAPACITY + 1;
                 }
+                planned.item.after_keeps = true;
                 buys.push(planned);
             }
         }
@@ -1689,10 +1741,13 @@ mod tests {
     fn a_paid_bucket_comes_down_to_its_part_and_goes_up_where_it_pays() {
         let held = Sent::Tokens { max_tokens: 2, tokens: 10, fill_secs: 1 };
         let smaller = Sent::Tokens { max_tokens: 2, tokens: 7, fill_secs: 1 };
-        // Its part 8 a second: over by a quarter, down (to nothing if nothing
-        // smaller was bought).
+        // Its part 8 a second: over by a quarter, down where something smaller
+        // was bought, else held; to nothing where it is over half again its part, or its
+        // part holds no bucket (under a token a minute).
         assert!(!keeps(held, smaller, 8.0, 0.1));
-        assert!(!keeps(held, Sent::Deny, 8.0, 0.1));
+        assert!(keeps(held, Sent::Deny, 8.0, 0.1));
+        assert!(!keeps(held, Sent::Deny, 6.6, 0.1));
+        assert!(!keeps(held, Sent::Deny, 0.01, 0.1));
         // Within a tenth either way: held.
         assert!(keeps(held, Sent::Tokens { max_tokens: 2, tokens: 11, fill_secs: 1 }, 10.0, 0.1));
         assert!(keeps(held, Sent::Deny, 9.5, 0.1));
@@ -1839,6 +1894,32 @@ mod tests {
         let small = s.owner.lease("rlqs:test:small", &[ask(3, 1_000)]).await.unwrap();
         assert_eq!((small[0].units, small[0].rate_part), (2, 3));
         assert_eq!(left(&s).await, 0);
+    }
+
+    /// A new bucket (asked for after the round's keeps) is paid only from what the
+    /// level holds beyond what the next keeps need, a twentieth of a second of its
+    /// rate (1 unit at 10 a second); a keep may take the last units.
+    #[tokio::test]
+    async fn a_new_bucket_leaves_the_next_keeps_their_units() {
+        let dir = tempfile::tempdir().unwrap();
+        let (s, _, _sent) = stream(&dir);
+        let ask = |want: u64, after_keeps: bool| pb::LeaseItem {
+            tenant: "t".into(),
+            route: "/r".into(),
+            want,
+            demand_milli: 5_000,
+            demand_per_sec: 5,
+            renews_within: Some(crate::convert::duration(30 * NANOS_PER_SEC)),
+            rates: true,
+            after_keeps,
+            ..Default::default()
+        };
+        let buy = s.owner.lease("rlqs:test:a", &[ask(10, true)]).await.unwrap();
+        assert_eq!((buy[0].units, left(&s).await), (9, 1));
+        let again = s.owner.lease("rlqs:test:b", &[ask(1, true)]).await.unwrap();
+        assert_eq!((again[0].units, left(&s).await), (0, 1));
+        let keep = s.owner.lease("rlqs:test:b", &[ask(1, false)]).await.unwrap();
+        assert_eq!((keep[0].units, left(&s).await), (1, 0));
     }
 
     /// A bucket holding nothing asks for at least the smallest new bucket: less

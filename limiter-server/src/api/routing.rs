@@ -273,9 +273,14 @@ pub async fn lease(
     // the server's own RLQS service makes them (through `lease_routed`), never a
     // client (a client's `least` would otherwise be dropped without a word).
     if hop == 0
-        && let Some(i) = req.items.iter().position(|i| i.rates || i.least != 0)
+        && let Some(i) = req.items.iter().position(|i| i.rates || i.least != 0 || i.after_keeps)
     {
-        let field = if req.items[i].rates { "rates" } else { "least" };
+        let item = &req.items[i];
+        let field = match () {
+            () if item.rates => "rates",
+            () if item.least != 0 => "least",
+            () => "after_keeps",
+        };
         return Err((i, ServerError::invalid(field, "set by the server's RLQS service only")));
     }
     lease_routed(owner, req, hop).await

@@ -527,6 +527,7 @@ impl Cluster {
             rates: false,
             demand_milli: 0,
             least: 0,
+            after_keeps: false,
         };
         let req = pb::LeaseRequest {
             agent_id: format!("node:{}", self.me.id),

@@ -59,6 +59,39 @@ fn failure_policy(p: FailurePolicy) -> pb::FailurePolicy {
 /// one of rate.
 const RATE_PART_MIN: u64 = 3;
 
+/// What a rate holder's new assignment leaves in the chain's tightest level for
+/// the next keeps, in seconds of the level's rate: the holders' new buckets are
+/// bought a little after their keeps (`LeaseItem.after_keeps`), and a level they
+/// emptied had refilled less than a round's keeps by the next round (a trace of a
+/// 12-a-second bucket: the last stream's keeps granted nothing, its Envoy sent
+/// `DENY_ALL` and buying again, every few rounds). A stock beyond it is divided
+/// into the parts (see [`rate_part`]).
+const RATE_STOCK_KEPT: f64 = 0.05;
+
+/// Over how many seconds a stock beyond [`RATE_STOCK_KEPT`] is added to the parts.
+const RATE_STOCK_SPENT: f64 = 1.0;
+
+/// The rate of a chain's tightest level, units a second (a bucket's refill, a
+/// window's limit over its length); `None` where no level limits a rate.
+fn chain_rate(chain: &Chain<'_>, now: Nanos) -> Option<f64> {
+    let per_sec = chain
+        .levels()
+        .filter(|l| !l.rule.limit.is_concurrency())
+        .map(|l| {
+            let (n, w) = l.rule.limit.quota_at(now);
+            n as f64 * NANOS_PER_SEC as f64 / w.max(1) as f64
+        })
+        .fold(f64::INFINITY, f64::min);
+    per_sec.is_finite().then_some(per_sec)
+}
+
+/// `x` rounded up to whole units (at least one; saturating).
+fn whole_units(x: f64) -> u64 {
+    #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
+    let u = x.ceil().max(1.0) as u64;
+    u
+}
+
 /// A rate holder's part of the chain's rate, in units over the time its ask pays
 /// for (`renews_within`): the rate of the chain's tightest level (a bucket's
 /// refill, a window's limit over its length) in proportion to its demand among the
@@ -68,11 +101,17 @@ const RATE_PART_MIN: u64 = 3;
 /// what is left instead would pay whoever asks first after a refill, since the
 /// holders' rounds do not line up.
 ///
+/// Where the holders' rounds leave a stock in a level of token buckets (its
+/// holders' held rates run below their parts, within what a change is worth), the
+/// stock beyond [`RATE_STOCK_KEPT`] is divided too, over [`RATE_STOCK_SPENT`]:
+/// otherwise it grows each round until the level is full and its refill is lost.
+///
 /// Returns the units and the part as a rate, in thousandths of a unit a second.
 fn rate_part(
     chain: &Chain<'_>,
     shares: Shares,
     item: &pb::LeaseItem,
+    stock: Option<u64>,
     now: Nanos,
 ) -> Option<(u64, u64)> {
     let (mine, all) = shares.demand;
@@ -80,18 +119,10 @@ fn rate_part(
     if period == 0 || mine == 0 || all < mine {
         return None;
     }
-    let per_sec = chain
-        .levels()
-        .filter(|l| !l.rule.limit.is_concurrency())
-        .map(|l| {
-            let (n, w) = l.rule.limit.quota_at(now);
-            n as f64 * NANOS_PER_SEC as f64 / w.max(1) as f64
-        })
-        .fold(f64::INFINITY, f64::min);
-    if !per_sec.is_finite() {
-        return None;
-    }
-    let rate = per_sec * mine as f64 / all as f64;
+    let per_sec = chain_rate(chain, now)?;
+    let kept = per_sec * RATE_STOCK_KEPT;
+    let spent = stock.map_or(0.0, |s| (s as f64 - kept).max(0.0) / RATE_STOCK_SPENT);
+    let rate = (per_sec + spent) * mine as f64 / all as f64;
     let part = rate * period as f64 / NANOS_PER_SEC as f64;
     // A part smaller than the smallest assignment's cost is that cost with the
     // probability that pays the part on average (a new bucket then lasts that many
@@ -357,7 +388,16 @@ impl Owner {
                 s
             }
         };
-        let part = if rates { rate_part(&chain, shares, item, now) } else { None };
+        // A stock is known only on the memory store, on chains of token buckets
+        // this node holds whole (see `rate_part`).
+        let stock_kept = rates
+            && slices.is_empty()
+            && self.store().limiter().is_some()
+            && chain.levels().all(|l| {
+                matches!(*l.rule.limit, Limit::TokenBucket(_)) || l.rule.limit.is_concurrency()
+            });
+        let stock = if stock_kept { self.leases().stock(cid, now) } else { None };
+        let part = if rates { rate_part(&chain, shares, item, stock, now) } else { None };
         let (ask, shares) = match part {
             // Its part of the rate already divides the chain among its holders:
             // what is left is not divided again, by asks or by demands, only never
@@ -371,7 +411,15 @@ impl Owner {
             None => (ask, shares),
         };
         (grant.rate_part, grant.rate_part_milli) = part.unwrap_or((0, 0));
-        let renewal = Renewal { back, ask, shares };
+        // A rise hands its keep back with its ask (`least`, its keep): that much it
+        // may take back whatever the level holds.
+        let keep_back = match chain_rate(&chain, now) {
+            Some(r) if stock_kept && item.after_keeps => {
+                (whole_units(r * RATE_STOCK_KEPT), item.least.min(back.map_or(0, |b| b.units)))
+            }
+            _ => (0, 0),
+        };
+        let renewal = Renewal { back, ask, shares, keep_back };
         if slice_of.is_none()
             && !exact
             && !rates
@@ -445,6 +493,10 @@ impl Owner {
         };
         if let Some(who) = who {
             self.shares.charge(who, &chain, g.units, now);
+        }
+        if let (true, Some(l)) = (stock_kept, self.store().limiter()) {
+            let span = item.renews_within.as_ref().map_or(0, convert::nanos_of);
+            self.leases().left_after_rates(cid, l.remaining(&chain, now), span, now);
         }
         // Filed under its ring name (a slice: its root key's), so that a move hands
         // it to the next owner of what it was granted from.

@@ -93,6 +93,11 @@ pub struct Renewal {
     pub ask: Ask,
     /// Who else asks for the chain (a node's slice: nobody, never direct).
     pub shares: Shares,
+    /// Units the grant leaves in the chain's tightest level (the memory store's; a
+    /// rate holder's new assignment leaves what the next keeps need), and how many
+    /// of them it may take all the same: its own keep, handed back in the same call
+    /// (a rise's).
+    pub keep_back: (u64, u64),
 }
 
 impl Renewal {
@@ -101,7 +106,9 @@ impl Renewal {
         if self.direct(chain) {
             return None;
         }
-        Some(grant_size(&self.ask, remaining, &self.shares))
+        let (back, own) = self.keep_back;
+        let spare = remaining.saturating_sub(back).max(own.min(remaining));
+        Some(grant_size(&self.ask, spare, &self.shares))
     }
 
     /// Whether `chain`'s budget is too small to split among its active holders

@@ -80,6 +80,38 @@ impl Asked {
 struct ChainAsks {
     holders: Vec<Asked>,
     cut_at: Option<Nanos>,
+    /// What its rate holders' rounds left in the chain's tightest level.
+    low: Option<LowWater>,
+}
+
+/// The least a chain's tightest level held after a rate holder's grant, over two
+/// spans of its holders' rounds: the current span's and the previous one's.
+#[derive(Debug, Clone, Copy)]
+struct LowWater {
+    from: Nanos,
+    span: Nanos,
+    now: u64,
+    before: Option<u64>,
+}
+
+impl LowWater {
+    fn record(&mut self, left: u64, span: Nanos, now: Nanos) {
+        if now < self.from {
+            *self = Self { from: now, span, now: left, before: None };
+        } else if now.saturating_sub(self.from) >= span {
+            let next = now.saturating_sub(self.from) < span.saturating_mul(2);
+            *self = Self { from: now, span, now: left, before: next.then_some(self.now) };
+        } else {
+            (self.now, self.span) = (self.now.min(left), span);
+        }
+    }
+
+    /// The stock, once a whole span (a whole round of every holder) is on record
+    /// and the record is no older than a span.
+    fn stock(&self, now: Nanos) -> Option<u64> {
+        let fresh = now >= self.from && now.saturating_sub(self.from) < self.span;
+        self.before.filter(|_| fresh).map(|b| b.min(self.now))
+    }
 }
 
 /// The owner's lease state.
@@ -366,6 +398,24 @@ impl Leases {
         }
     }
 
+    /// Records what a rate holder's grant on `chain` left in its tightest level at
+    /// `now`, the holders' rounds `span` apart.
+    pub(super) fn left_after_rates(&self, chain: u64, left: u64, span: Nanos, now: Nanos) {
+        if let Some(e) = self.asks.lock().get_mut(&chain) {
+            match &mut e.low {
+                Some(l) => l.record(left, span, now),
+                None => e.low = Some(LowWater { from: now, span, now: left, before: None }),
+            }
+        }
+    }
+
+    /// What the rate holders' rounds of `chain` have lately left unpaid in its
+    /// tightest level (the least it held after their grants over the last two
+    /// rounds), if known.
+    pub(super) fn stock(&self, chain: u64, now: Nanos) -> Option<u64> {
+        self.asks.lock().get(&chain)?.low?.stock(now)
+    }
+
     /// A grant for `chain` was cut short at `now`: it is near its limit.
     pub(super) fn cut(&self, chain: u64, now: Nanos) {
         if let Some(e) = self.asks.lock().get_mut(&chain) {
@@ -417,6 +467,39 @@ impl crate::cluster::LeaseBook for Leases {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The stock is the least a chain's level held after the rate holders' grants
+    /// over a whole span of their rounds and the current one; unknown before a whole
+    /// span is on record, and once the record is older than a span.
+    #[test]
+    fn the_stock_is_what_the_rounds_left_over_the_last_two_spans() {
+        let leases = Leases::default();
+        let ms = NANOS_PER_SEC / 1_000;
+        let (span, t) = (500 * ms, 10 * NANOS_PER_SEC);
+        leases.shares(1, 10, (20, 50_000), ACTIVE_FOR, t);
+        assert_eq!(leases.stock(1, t), None);
+        // A round: the first grant leaves 40, the last 7.
+        leases.left_after_rates(1, 40, span, t);
+        leases.left_after_rates(1, 7, span, t + ms);
+        assert_eq!(leases.stock(1, t + 2 * ms), None, "no whole span on record yet");
+        // The next round, a span later: the first grant leaves 30, and the stock is
+        // the last round's low until this round's is lower.
+        leases.left_after_rates(1, 30, span, t + span);
+        assert_eq!(leases.stock(1, t + span + ms), Some(7));
+        leases.left_after_rates(1, 3, span, t + span + 2 * ms);
+        assert_eq!(leases.stock(1, t + span + 3 * ms), Some(3));
+        // Two spans on, the round of `t` is forgotten.
+        leases.left_after_rates(1, 12, span, t + 2 * span);
+        leases.left_after_rates(1, 9, span, t + 2 * span + ms);
+        assert_eq!(leases.stock(1, t + 2 * span + 2 * ms), Some(3));
+        leases.left_after_rates(1, 11, span, t + 3 * span + ms);
+        assert_eq!(leases.stock(1, t + 3 * span + 2 * ms), Some(9));
+        // No round for a span: unknown (a stale low would pay a stock long spent).
+        assert_eq!(leases.stock(1, t + 4 * span + ms), None);
+        // A gap of two spans starts afresh.
+        leases.left_after_rates(1, 50, span, t + 6 * span);
+        assert_eq!(leases.stock(1, t + 6 * span + ms), None);
+    }
 
     /// Near the limit the parts follow reported demand, and a demand far beyond a
     /// holder's ask counts only as far as its ask goes.

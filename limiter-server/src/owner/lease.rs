@@ -102,9 +102,10 @@ fn whole_units(x: f64) -> u64 {
 /// holders' rounds do not line up.
 ///
 /// Where the holders' rounds leave a stock in a level of token buckets (its
-/// holders' held rates run below their parts, within what a change is worth), the
-/// stock beyond [`RATE_STOCK_KEPT`] is divided too, over [`RATE_STOCK_SPENT`]:
-/// otherwise it grows each round until the level is full and its refill is lost.
+/// holders' held rates run below their parts, within what a change is worth) and
+/// their demand is above its rate, the stock beyond [`RATE_STOCK_KEPT`] is divided
+/// too, over [`RATE_STOCK_SPENT`]: otherwise it grows each round until the level is
+/// full and its refill is lost.
 ///
 /// Returns the units and the part as a rate, in thousandths of a unit a second.
 fn rate_part(
@@ -120,8 +121,15 @@ fn rate_part(
         return None;
     }
     let per_sec = chain_rate(chain, now)?;
+    // Only where the holders' demand is above the rate: below it, the stock is the
+    // level's unused burst, and adding it raised a lone holder's rate above the
+    // limit for as long as the burst lasted.
+    let contended = all as f64 / book::DEMAND_SCALE as f64 >= per_sec;
     let kept = per_sec * RATE_STOCK_KEPT;
-    let spent = stock.map_or(0.0, |s| (s as f64 - kept).max(0.0) / RATE_STOCK_SPENT);
+    let spent = match stock {
+        Some(s) if contended => (s as f64 - kept).max(0.0) / RATE_STOCK_SPENT,
+        _ => 0.0,
+    };
     let rate = (per_sec + spent) * mine as f64 / all as f64;
     let part = rate * period as f64 / NANOS_PER_SEC as f64;
     // A part smaller than the smallest assignment's cost is that cost with the

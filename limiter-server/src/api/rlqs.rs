@@ -1869,15 +1869,10 @@ mod tests {
         u.levels.iter().map(|l| l.remaining).min().unwrap()
     }
 
-    /// A rate holder's ask within its part gets what the level has left, up to the
-    /// ask: what is left is not divided by demand again (which gave a holder of a
-    /// hundredth of the demand nothing of 2 units, and several buyers a unit each
-    /// that bought nothing and was held out of the level for a round).
-    #[tokio::test]
-    async fn an_ask_within_its_part_takes_what_is_left() {
-        let dir = tempfile::tempdir().unwrap();
-        let (s, _, _sent) = stream(&dir);
-        let ask = |want: u64, demand_milli: u64| pb::LeaseItem {
+    /// A rate holder's ask for `want` units of `/r` over 30 s, at a demand of
+    /// `demand_milli` thousandths of a unit a second.
+    fn rate_ask(want: u64, demand_milli: u64) -> pb::LeaseItem {
+        pb::LeaseItem {
             tenant: "t".into(),
             route: "/r".into(),
             want,
@@ -1886,7 +1881,18 @@ mod tests {
             renews_within: Some(crate::convert::duration(30 * NANOS_PER_SEC)),
             rates: true,
             ..Default::default()
-        };
+        }
+    }
+
+    /// A rate holder's ask within its part gets what the level has left, up to the
+    /// ask: what is left is not divided by demand again (which gave a holder of a
+    /// hundredth of the demand nothing of 2 units, and several buyers a unit each
+    /// that bought nothing and was held out of the level for a round).
+    #[tokio::test]
+    async fn an_ask_within_its_part_takes_what_is_left() {
+        let dir = tempfile::tempdir().unwrap();
+        let (s, _, _sent) = stream(&dir);
+        let ask = rate_ask;
         let big = s.owner.lease("rlqs:test:big", &[ask(8, 99_000)]).await.unwrap();
         assert_eq!(big[0].units, 8);
         assert_eq!(left(&s).await, 2);
@@ -1903,17 +1909,8 @@ mod tests {
     async fn a_new_bucket_leaves_the_next_keeps_their_units() {
         let dir = tempfile::tempdir().unwrap();
         let (s, _, _sent) = stream(&dir);
-        let ask = |want: u64, after_keeps: bool| pb::LeaseItem {
-            tenant: "t".into(),
-            route: "/r".into(),
-            want,
-            demand_milli: 5_000,
-            demand_per_sec: 5,
-            renews_within: Some(crate::convert::duration(30 * NANOS_PER_SEC)),
-            rates: true,
-            after_keeps,
-            ..Default::default()
-        };
+        let ask =
+            |want: u64, after_keeps: bool| pb::LeaseItem { after_keeps, ..rate_ask(want, 5_000) };
         let buy = s.owner.lease("rlqs:test:a", &[ask(10, true)]).await.unwrap();
         assert_eq!((buy[0].units, left(&s).await), (9, 1));
         let again = s.owner.lease("rlqs:test:b", &[ask(1, true)]).await.unwrap();

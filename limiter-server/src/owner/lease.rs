@@ -397,14 +397,19 @@ impl Owner {
             }
         };
         // A stock is known only on the memory store, on chains of token buckets
-        // this node holds whole (see `rate_part`).
+        // this node holds whole, and kept only while the holders' demand is above
+        // the chain's rate (see `rate_part`; below it, no lease book update is
+        // spent on it).
+        let per_sec = if rates { chain_rate(&chain, now) } else { None };
         let stock_kept = rates
             && slices.is_empty()
             && self.store().limiter().is_some()
             && chain.levels().all(|l| {
                 matches!(*l.rule.limit, Limit::TokenBucket(_)) || l.rule.limit.is_concurrency()
             });
-        let stock = if stock_kept { self.leases().stock(cid, now) } else { None };
+        let contended = stock_kept
+            && per_sec.is_some_and(|r| shares.demand.1 as f64 / book::DEMAND_SCALE as f64 >= r);
+        let stock = if contended { self.leases().stock(cid, now) } else { None };
         let part = if rates { rate_part(&chain, shares, item, stock, now) } else { None };
         let (ask, shares) = match part {
             // Its part of the rate already divides the chain among its holders:
@@ -421,7 +426,7 @@ impl Owner {
         (grant.rate_part, grant.rate_part_milli) = part.unwrap_or((0, 0));
         // A rise hands its keep back with its ask (`least`, its keep): that much it
         // may take back whatever the level holds.
-        let keep_back = match chain_rate(&chain, now) {
+        let keep_back = match per_sec {
             Some(r) if stock_kept && item.after_keeps => {
                 (whole_units(r * RATE_STOCK_KEPT), item.least.min(back.map_or(0, |b| b.units)))
             }
@@ -502,7 +507,7 @@ impl Owner {
         if let Some(who) = who {
             self.shares.charge(who, &chain, g.units, now);
         }
-        if let (true, Some(l)) = (stock_kept, self.store().limiter()) {
+        if let (true, Some(l)) = (contended, self.store().limiter()) {
             let span = item.renews_within.as_ref().map_or(0, convert::nanos_of);
             self.leases().left_after_rates(cid, l.remaining(&chain, now), span, now);
         }

@@ -105,7 +105,9 @@ fn whole_units(x: f64) -> u64 {
 /// holders' held rates run below their parts, within what a change is worth) and
 /// their demand is above its rate, the stock beyond [`RATE_STOCK_KEPT`] is divided
 /// too, over [`RATE_STOCK_SPENT`]: otherwise it grows each round until the level is
-/// full and its refill is lost.
+/// full and its refill is lost. (`stock` is given only then: below the rate it is
+/// the level's unused burst, and adding it raised a lone holder's rate above the
+/// limit for as long as the burst lasted.)
 ///
 /// Returns the units and the part as a rate, in thousandths of a unit a second.
 fn rate_part(
@@ -121,15 +123,8 @@ fn rate_part(
         return None;
     }
     let per_sec = chain_rate(chain, now)?;
-    // Only where the holders' demand is above the rate: below it, the stock is the
-    // level's unused burst, and adding it raised a lone holder's rate above the
-    // limit for as long as the burst lasted.
-    let contended = all as f64 / book::DEMAND_SCALE as f64 >= per_sec;
     let kept = per_sec * RATE_STOCK_KEPT;
-    let spent = match stock {
-        Some(s) if contended => (s as f64 - kept).max(0.0) / RATE_STOCK_SPENT,
-        _ => 0.0,
-    };
+    let spent = stock.map_or(0.0, |s| (s as f64 - kept).max(0.0) / RATE_STOCK_SPENT);
     let rate = (per_sec + spent) * mine as f64 / all as f64;
     let part = rate * period as f64 / NANOS_PER_SEC as f64;
     // A part smaller than the smallest assignment's cost is that cost with the

@@ -109,20 +109,20 @@ fn whole_units(x: f64) -> u64 {
 /// the level's unused burst, and adding it raised a lone holder's rate above the
 /// limit for as long as the burst lasted.)
 ///
-/// Returns the units and the part as a rate, in thousandths of a unit a second.
+/// `per_sec` is the chain's rate ([`chain_rate`]). Returns the units and the part as
+/// a rate, in thousandths of a unit a second.
 fn rate_part(
-    chain: &Chain<'_>,
+    per_sec: Option<f64>,
     shares: Shares,
     item: &pb::LeaseItem,
     stock: Option<u64>,
-    now: Nanos,
 ) -> Option<(u64, u64)> {
     let (mine, all) = shares.demand;
     let period = item.renews_within.as_ref().map_or(0, convert::nanos_of);
     if period == 0 || mine == 0 || all < mine {
         return None;
     }
-    let per_sec = chain_rate(chain, now)?;
+    let per_sec = per_sec?;
     let kept = per_sec * RATE_STOCK_KEPT;
     let spent = stock.map_or(0.0, |s| (s as f64 - kept).max(0.0) / RATE_STOCK_SPENT);
     let rate = (per_sec + spent) * mine as f64 / all as f64;
@@ -405,7 +405,7 @@ impl Owner {
         let contended = stock_kept
             && per_sec.is_some_and(|r| shares.demand.1 as f64 / book::DEMAND_SCALE as f64 >= r);
         let stock = if contended { self.leases().stock(cid, now) } else { None };
-        let part = if rates { rate_part(&chain, shares, item, stock, now) } else { None };
+        let part = if rates { rate_part(per_sec, shares, item, stock) } else { None };
         let (ask, shares) = match part {
             // Its part of the rate already divides the chain among its holders:
             // what is left is not divided again, by asks or by demands, only never

@@ -1838,7 +1838,8 @@ mod tests {
         let s = Session {
             owner,
             mapping: Arc::new(config.envoy),
-            config: config.rlqs,
+            // The tests' arithmetic is of rounds of 500 ms.
+            config: RlqsConfig { round: Duration::from_millis(500), ..config.rlqs },
             holder: "rlqs:test:1".into(),
             domain: Some("t".into()),
             buckets: HashMap::new(),

@@ -178,7 +178,7 @@ envoy:
   route_key: route
   descriptor_limits: ignore
 rlqs:
-  round_ms: 500
+  round_ms: 250
   ttl_s: 2
   burst_ms: 100
   slack_ms: 100

@@ -49,7 +49,7 @@ fn load(pairs: &[(&str, &str)]) -> Result<ServerConfig, ConfigError> {
 #[test]
 fn an_rlqs_ttl_shorter_than_two_rounds_is_refused() {
     let c = load(&[]).unwrap();
-    assert_eq!((c.rlqs.round, c.rlqs.ttl), (Duration::from_millis(500), Duration::from_secs(2)));
+    assert_eq!((c.rlqs.round, c.rlqs.ttl), (Duration::from_millis(250), Duration::from_secs(2)));
     let text = load(&[("LIMITER__RLQS__TTL_S", "1"), ("LIMITER__RLQS__ROUND_MS", "800")])
         .unwrap_err()
         .to_string();

@@ -36,8 +36,10 @@ routes:
 tenants:
   t:
     limit: { algorithm: fixed_window, limit: 100000, window: 1h }
+  # A bucket refilling one unit an hour: no window boundary the run could cross (a
+  # window aligned on the clock's hour would start afresh mid-test at some hour).
   counted:
-    limit: { algorithm: fixed_window, limit: 10, window: 1h }
+    limit: { algorithm: token_bucket, rate: 1/h, burst: 10 }
 ";
 
 /// The call deadline: the store's 50 ms command timeout, plus the server's own work

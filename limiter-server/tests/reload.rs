@@ -13,9 +13,11 @@ use limiter_proto::limiter::v1 as pb;
 /// The backstop poll far beyond the test's 2 s: only file events can reload in time.
 const NO_POLL: &[(&str, &str)] = &[("LIMITER__RELOAD__POLL_INTERVAL_MS", "600000")];
 
+/// `acme` refills one unit an hour: its count cannot start afresh mid-test, as an
+/// hour window aligned on the clock does when a run crosses the hour.
 fn policy(limit: u64) -> String {
     format!(
-        "version: 1\ntenants:\n  acme:\n    limit: {{ algorithm: fixed_window, limit: {limit}, window: 1h }}\n  other:\n    limit: {{ algorithm: fixed_window, limit: 5, window: 1h }}\n"
+        "version: 1\ntenants:\n  acme:\n    limit: {{ algorithm: token_bucket, rate: 1/h, burst: {limit} }}\n  other:\n    limit: {{ algorithm: fixed_window, limit: 5, window: 1h }}\n"
     )
 }
 

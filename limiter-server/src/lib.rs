@@ -236,6 +236,13 @@ impl Server {
             )
             .with_replica_room(config.max_keys),
         );
+        if config.rlqs.envoys_carry_tokens {
+            tracing::warn!(
+                "rlqs.envoys_carry_tokens is set: a changed RLQS bucket is paid as Envoy 1.33 \
+                 and later start it; an older Envoy admits up to its max_tokens beyond the \
+                 limits at each change"
+            );
+        }
         let keys = if config.show_keys {
             tracing::warn!("dashboard.show_keys is set: the status page shows keys as sent");
             owner::heavy::KeyDisplay::Shown

@@ -6,7 +6,8 @@
 //! half way through, the split is reversed (10:9:...:1). A second fleet moves half
 //! of its demand (five Envoys at three parts each and five at one, then the other
 //! way round). The reversed fleet runs again with Envoys 1.33 and later (a
-//! changed bucket starts with the old one's share of tokens, not full). Judged per
+//! changed bucket starts with the old one's share of tokens, not full), on a server
+//! told so (`rlqs.envoys_carry_tokens`). Judged per
 //! bucket by the
 //! independent reference (`limiter-reference`) at zero tolerance: every admission
 //! may be placed no earlier than when the assignment that admitted it was sent
@@ -63,7 +64,9 @@ struct Server {
     _running: limiter_server::Running,
 }
 
-async fn server(policy: &str, clock: Arc<dyn Clock>) -> Server {
+/// A server on `policy`; `carry`: told its Envoys carry tokens into a changed bucket
+/// (`rlqs.envoys_carry_tokens`).
+async fn server(policy: &str, clock: Arc<dyn Clock>, carry: bool) -> Server {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("policies.yaml");
     std::fs::write(&path, policy).unwrap();
@@ -72,6 +75,7 @@ async fn server(policy: &str, clock: Arc<dyn Clock>) -> Server {
         [
             ("LIMITER__POLICY_FILE".to_owned(), path.display().to_string()),
             ("LIMITER__SHUTDOWN__DRAIN_DELAY_MS".to_owned(), "0".to_owned()),
+            ("LIMITER__RLQS__ENVOYS_CARRY_TOKENS".to_owned(), carry.to_string()),
         ],
     )
     .unwrap();
@@ -156,9 +160,10 @@ fn half_moved(e: usize, swung: bool) -> f64 {
 }
 
 /// The reversed fleet of Envoys 1.33 and later, which start a changed token bucket
-/// with the old one's share of tokens: the server pays for a full bucket at each
-/// change all the same (it cannot tell an Envoy's version), so they admit no more
-/// than before, and the tokens the share leaves behind are paid for and unspent.
+/// with the old one's share of tokens, on a server told so
+/// (`rlqs.envoys_carry_tokens`): a change is paid for only the capacity it adds.
+/// (Not told, the server pays for a full bucket at each change, as it must for
+/// older Envoys, and the tokens the share leaves behind are paid for and unspent.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn envoys_that_carry_their_tokens_share_zipf_buckets_within_their_limits() {
     fleet(reversed, Envoys::Carry).await;
@@ -190,7 +195,7 @@ async fn fleet(weight: fn(usize, bool) -> f64, envoys_are: Envoys) {
     let limits = limits();
     let clock: Arc<dyn Clock> = Arc::new(MonotonicClock::new());
     let carrying = envoys_are == Envoys::Carry;
-    let server = server(&policy(&limits), clock.clone()).await;
+    let server = server(&policy(&limits), clock.clone(), carrying).await;
     let envoys: Vec<Arc<Envoy>> = (0..ENVOYS)
         .map(|_| {
             let config = EnvoyConfig {

@@ -261,11 +261,11 @@ impl Sent {
     }
 }
 
-/// Whether changing a held rate `from` to `to` is worth a new bucket (see
-/// [`CHANGE_PAYS_WITHIN`]).
-fn worth_changing(from: f64, to: f64, burst: f64) -> bool {
+/// Whether changing a held rate `from` to `to` is worth a new bucket that costs
+/// `cost` units at once (see [`CHANGE_PAYS_WITHIN`], [`Bucket::change_cost`]).
+fn worth_changing(from: f64, to: f64, cost: u64) -> bool {
     let within = if to > from { CHANGE_PAYS_WITHIN.0 } else { CHANGE_PAYS_WITHIN.1 };
-    (from - to).abs() * within >= capacity(to, burst) as f64
+    (from - to).abs() * within >= cost as f64
 }
 
 /// `rate` (units a second) as whole tokens per whole seconds, never above it: the
@@ -339,13 +339,14 @@ fn buy_ask(cap: u64, rate: f64, span: Nanos) -> u64 {
 /// `DENY_ALL` instead, its tokens were lost and its Envoy refused until it bought
 /// a bucket again, a full one, from the units its part left in the level (a part a
 /// little off the held rate is often the noise of a few requests).
-fn keeps(held: Sent, changed: Sent, fair: f64, burst: f64) -> bool {
+/// `cost`: what a new bucket of a rate costs at once ([`Bucket::change_cost`]).
+fn keeps(held: Sent, changed: Sent, fair: f64, cost: impl Fn(f64) -> u64) -> bool {
     let to_nothing = tokens_for(fair).is_none() || held.rate() > fair * COME_DOWN_WHOLE;
     let comes_down = held.rate() > fair * COME_DOWN
-        && worth_changing(held.rate(), fair, burst)
+        && worth_changing(held.rate(), fair, cost(fair))
         && (changed != Sent::Deny || to_nothing);
     let better = changed.rate() > held.rate() * KEEP_WITHIN
-        && worth_changing(held.rate(), changed.rate(), burst);
+        && worth_changing(held.rate(), changed.rate(), cost(changed.rate()));
     !comes_down && !better
 }
 
@@ -363,6 +364,17 @@ struct Moment {
     /// The span a keep's ask pays for (to the horizon and a burst), and in seconds.
     period_nanos: Nanos,
     period: f64,
+    /// Envoys start a bucket that replaces a live one with its share of the old
+    /// one's tokens (`rlqs.envoys_carry_tokens`).
+    carry: Option<Carry>,
+}
+
+/// How long an assignment sent lives at the least and may take to arrive: a token
+/// bucket sent is live at its Envoy until then (see [`Bucket::fill_cost`]).
+#[derive(Debug, Clone, Copy)]
+struct Carry {
+    ttl: Nanos,
+    slack: Nanos,
 }
 
 /// A bucket's item in a round's call, and what keeping what it holds costs.
@@ -598,10 +610,10 @@ impl Bucket {
 
     /// Whether it may buy `s` as a new bucket at `now`, rounds `round` seconds apart
     /// (see [`Self::may_buy_capacity`]).
-    fn may_buy(&self, s: Sent, now: Nanos, round: f64) -> bool {
+    fn may_buy(&self, s: Sent, now: Nanos, round: f64, carry: Option<Carry>) -> bool {
         match s {
             Sent::Tokens { max_tokens, .. } => {
-                self.may_buy_capacity(u64::from(max_tokens), s.rate(), now, round)
+                self.may_buy_capacity(u64::from(max_tokens), s.rate(), now, round, carry)
             }
             Sent::Deny => true,
         }
@@ -618,7 +630,14 @@ impl Bucket {
     /// earn over the held one in those rounds (a part that rose pays for its new
     /// bucket soon: waiting for it to be earned first left the rise unspent a round
     /// or more, while the parts that fell came down at once).
-    fn may_buy_capacity(&self, cap: u64, rate: f64, now: Nanos, round: f64) -> bool {
+    fn may_buy_capacity(
+        &self,
+        cap: u64,
+        rate: f64,
+        now: Nanos,
+        round: f64,
+        carry: Option<Carry>,
+    ) -> bool {
         match self.sent {
             None => true,
             Some(held @ Sent::Tokens { max_tokens, .. })
@@ -633,9 +652,34 @@ impl Bucket {
             Some(Sent::Deny) => self.credit >= 0.0,
             Some(held) => {
                 let gain = (rate - held.rate()).max(0.0) * round * BUY_AHEAD_ROUNDS;
-                self.standing(now) + gain >= cap as f64
+                self.standing(now) + gain >= self.fill_cost(cap, now, carry) as f64
             }
         }
+    }
+
+    /// What a new bucket of `cap` tokens sent at `now` costs for its tokens at once:
+    /// all of them (Envoy starts a new bucket full), or, where Envoys carry tokens
+    /// (`carry`) and it replaces a token bucket still live at its Envoy when it
+    /// arrives, what it holds beyond the old one's `max_tokens`: Envoy 1.33 and later
+    /// start it with `max_tokens x left / old max_tokens`, rounded down, which is at
+    /// most the old one's tokens (paid already) and the difference.
+    fn fill_cost(&self, cap: u64, now: Nanos, carry: Option<Carry>) -> u64 {
+        match (carry, self.sent) {
+            (Some(c), Some(Sent::Tokens { max_tokens, .. }))
+                if now.saturating_add(c.slack) < self.sent_at.saturating_add(c.ttl) =>
+            {
+                cap.saturating_sub(u64::from(max_tokens))
+            }
+            _ => cap,
+        }
+    }
+
+    /// What changing to a bucket at `rate` loses at once, to weigh whether it is
+    /// worth it: its fill cost, and where tokens are carried, the token Envoy's
+    /// rounding down may drop.
+    fn change_cost(&self, rate: f64, burst: f64, now: Nanos, carry: Option<Carry>) -> u64 {
+        let cap = capacity(rate, burst);
+        self.fill_cost(cap, now, carry).saturating_add(1).min(cap)
     }
 
     /// The rate it asks for: its demand with headroom, at least [`FLOOR_RATE`].
@@ -709,12 +753,15 @@ impl Bucket {
         };
         self.swung = false;
         let fair = self.target().min(self.part);
-        let (changed, used) = match self.choose(units, m.now, m.horizon, m.burst, fair) {
-            (s, _) if self.sent != Some(s) && !self.may_buy(s, m.now, m.round) => (Sent::Deny, 0),
+        let (changed, used) = match self.choose(units, m.now, m.horizon, m.burst, fair, m.carry) {
+            (s, _) if self.sent != Some(s) && !self.may_buy(s, m.now, m.round, m.carry) => {
+                (Sent::Deny, 0)
+            }
             c => c,
         };
+        let cost = |r: f64| self.change_cost(r, m.burst, m.now, m.carry);
         let (sent, used) = match (self.sent, keep_need) {
-            (Some(held), Some(need)) if units >= need && keeps(held, changed, fair, m.burst) => {
+            (Some(held), Some(need)) if units >= need && keeps(held, changed, fair, cost) => {
                 (held, need)
             }
             _ => (changed, used),
@@ -736,7 +783,8 @@ impl Bucket {
             }
             Sent::Tokens { max_tokens, .. } => {
                 tally.assigned += 1;
-                self.new_paid_until(used - u64::from(max_tokens), sent.rate(), m.now)
+                let fill = self.fill_cost(u64::from(max_tokens), m.now, m.carry);
+                self.new_paid_until(used - fill, sent.rate(), m.now)
             }
         };
         // Re-sent unchanged only when half its TTL has gone: that extends it.
@@ -800,7 +848,15 @@ impl Bucket {
 
     /// The assignment `units` pay for from `now` until `horizon`: `fair` (units a
     /// second) or less, with its full bucket; and the units it uses.
-    fn choose(&self, units: u64, now: Nanos, horizon: Nanos, burst: f64, fair: f64) -> (Sent, u64) {
+    fn choose(
+        &self,
+        units: u64,
+        now: Nanos,
+        horizon: Nanos,
+        burst: f64,
+        fair: f64,
+        carry: Option<Carry>,
+    ) -> (Sent, u64) {
         let span = horizon.saturating_sub(now) as f64 / NANOS_PER_SEC as f64;
         let mut rate = fair.min((units as f64 + self.carried(fair, now)) / (span + burst));
         while let Some((tokens, fill_secs)) = tokens_for(rate) {
@@ -819,7 +875,8 @@ impl Bucket {
                 units_over(r, horizon.saturating_sub(self.paid_until))
             } else {
                 let Sent::Tokens { max_tokens: m, .. } = s else { return (Sent::Deny, 0) };
-                u64::from(m).saturating_add(self.new_rate_cost(r, now, horizon))
+                let fill = self.fill_cost(u64::from(m), now, carry);
+                fill.saturating_add(self.new_rate_cost(r, now, horizon))
             };
             if cost <= units {
                 return (s, cost);
@@ -993,6 +1050,7 @@ impl Session {
         let horizon = now.saturating_add(gap + nanos(self.config.slack));
         let period = horizon.saturating_sub(now);
         let burst = self.config.burst.as_secs_f64();
+        let carry = self.carry();
         let mut plan = Vec::new();
         let mut items = Vec::new();
         for (name, b) in &self.buckets {
@@ -1028,7 +1086,7 @@ impl Session {
                     // Not enough to keep it: the best smaller bucket what was
                     // granted pays for until the horizon, else nothing.
                     let fair = b.target().min(b.part);
-                    let (sent, used) = b.choose(g.units, now, horizon, burst, fair);
+                    let (sent, used) = b.choose(g.units, now, horizon, burst, fair, carry);
                     tally.paid += used;
                     b.lease = (g.lease_id, g.units - used);
                     if b.lease.1 > 0 {
@@ -1232,7 +1290,15 @@ impl Session {
             burst: self.config.burst.as_secs_f64(),
             period_nanos,
             period: period_nanos as f64 / NANOS_PER_SEC as f64,
+            carry: self.carry(),
         }
+    }
+
+    /// How Envoys start a bucket that replaces one, if they carry its tokens.
+    fn carry(&self) -> Option<Carry> {
+        self.config
+            .envoys_carry_tokens
+            .then(|| Carry { ttl: nanos(self.config.ttl), slack: nanos(self.config.slack) })
     }
 
     /// One round: pays for what every bucket's assignment lets its Envoy admit until
@@ -1359,10 +1425,14 @@ impl Session {
             let keeps_it = b.sent.is_some_and(|s| {
                 s != Sent::Deny
                     && ((s.rate() <= fair * KEEP_WITHIN && s.rate() * KEEP_WITHIN >= fair)
-                        || !worth_changing(s.rate(), fair, m.burst))
+                        || !worth_changing(
+                            s.rate(),
+                            fair,
+                            b.change_cost(fair, m.burst, m.now, m.carry),
+                        ))
             });
             let cap = capacity(fair, m.burst);
-            let buys_it = b.may_buy_capacity(cap, fair, m.now, m.round);
+            let buys_it = b.may_buy_capacity(cap, fair, m.now, m.round, m.carry);
             let (want, paid_for) = match keep_need {
                 Some(need) if keeps_it || !buys_it => (need, m.period_nanos),
                 None if !buys_it => (1, m.period_nanos),
@@ -1371,7 +1441,8 @@ impl Session {
                     let lasts = nanos_for(cap, fair)
                         .clamp(nanos(self.config.burst), u64::from(MAX_FILL_SECS) * NANOS_PER_SEC);
                     let carried = whole(b.carried(fair, m.now));
-                    (buy_ask(cap, fair, span).saturating_sub(carried), span.saturating_add(lasts))
+                    let fill = b.fill_cost(cap, m.now, m.carry);
+                    (buy_ask(fill, fair, span).saturating_sub(carried), span.saturating_add(lasts))
                 }
             };
             if keeps_it && want == 0 && b.lease.1 == 0 {
@@ -1575,12 +1646,12 @@ mod tests {
     fn a_rate_changes_only_where_the_difference_pays_for_the_new_bucket() {
         // Two tokens of capacity: up by a unit a second pays within 2 s, down by half
         // a unit within 4 s.
-        assert!(worth_changing(1.0, 2.0, 0.1));
-        assert!(!worth_changing(1.0, 1.9, 0.1));
-        assert!(worth_changing(2.0, 1.5, 0.1));
-        assert!(!worth_changing(2.0, 1.6, 0.1));
+        assert!(worth_changing(1.0, 2.0, capacity(2.0, 0.1)));
+        assert!(!worth_changing(1.0, 1.9, capacity(1.9, 0.1)));
+        assert!(worth_changing(2.0, 1.5, capacity(1.5, 0.1)));
+        assert!(!worth_changing(2.0, 1.6, capacity(1.6, 0.1)));
         // 100 to 90 a second: a new bucket of 9 tokens, worth it.
-        assert!(worth_changing(100.0, 90.0, 0.1));
+        assert!(worth_changing(100.0, 90.0, capacity(90.0, 0.1)));
     }
 
     #[test]
@@ -1590,27 +1661,27 @@ mod tests {
         b.sent = Some(Sent::Tokens { max_tokens: 2, tokens: 1, fill_secs: 4 });
         b.part = 0.5;
         let new = Sent::Tokens { max_tokens: 2, tokens: 1, fill_secs: 2 };
-        assert!(!b.may_buy(new, 0, 0.5), "nothing earned yet");
+        assert!(!b.may_buy(new, 0, 0.5, None), "nothing earned yet");
         // Half a unit a second (its demand's target is higher): 2 tokens in 4 s.
         let s = NANOS_PER_SEC;
         b.earn(3 * s, 0.1);
-        assert!(!b.may_buy(new, 3 * s, 0.5));
+        assert!(!b.may_buy(new, 3 * s, 0.5, None));
         b.earn(4 * s, 0.1);
-        assert!(b.may_buy(new, 4 * s, 0.5));
+        assert!(b.may_buy(new, 4 * s, 0.5, None));
         // Earned within a new bucket's worth and a unit: idle time is not saved up.
         b.earn(100 * s, 0.1);
         assert!((b.credit - 3.0).abs() < 1e-9, "{}", b.credit);
         // A first assignment needs nothing earned; nothing is bought for `DENY`.
         b.sent = None;
         b.credit = -5.0;
-        assert!(b.may_buy(new, 100 * s, 0.5));
-        assert!(b.may_buy(Sent::Deny, 100 * s, 0.5));
+        assert!(b.may_buy(new, 100 * s, 0.5, None));
+        assert!(b.may_buy(Sent::Deny, 100 * s, 0.5, None));
         // Denied, it leaves once it owes nothing.
         b.sent = Some(Sent::Deny);
         b.credit = -0.1;
-        assert!(!b.may_buy(new, 100 * s, 0.5));
+        assert!(!b.may_buy(new, 100 * s, 0.5, None));
         b.credit = 0.0;
-        assert!(b.may_buy(new, 100 * s, 0.5));
+        assert!(b.may_buy(new, 100 * s, 0.5, None));
     }
 
     #[test]
@@ -1625,9 +1696,9 @@ mod tests {
         b.earn(0, 0.1);
         assert!((b.credit + 0.4).abs() < 1e-9, "{}", b.credit);
         let new = Sent::Tokens { max_tokens: 2, tokens: 2, fill_secs: 5 };
-        assert!(!b.may_buy(new, 0, 0.5));
+        assert!(!b.may_buy(new, 0, 0.5, None));
         b.earn(NANOS_PER_SEC, 0.1);
-        assert!(b.may_buy(new, NANOS_PER_SEC, 0.5));
+        assert!(b.may_buy(new, NANOS_PER_SEC, 0.5, None));
         // A fast part owes at most a bucket, its `max_tokens`.
         let mut b = bucket(200.0);
         b.part = 100.0;
@@ -1653,14 +1724,14 @@ mod tests {
         // what it held (a tenth of a second), not once the credit has caught up with
         // the horizon paid ahead.
         let bigger = Sent::Tokens { max_tokens: 4, tokens: 40, fill_secs: 1 };
-        assert!(b.may_buy(bigger, 0, 0.5));
-        assert!(!b.may_buy(bigger, 0, 0.0));
+        assert!(b.may_buy(bigger, 0, 0.5, None));
+        assert!(!b.may_buy(bigger, 0, 0.0, None));
         let tenth = NANOS_PER_SEC / 10;
         b.earn(tenth, 0.1);
         // Earned 4, given 2 (its held rate's tenth of a second).
         assert!((b.standing(tenth) - 2.0).abs() < 1e-9, "{}", b.standing(tenth));
         b.earn(2 * tenth, 0.1);
-        assert!(b.may_buy(bigger, 2 * tenth, 0.0), "{}", b.standing(2 * tenth));
+        assert!(b.may_buy(bigger, 2 * tenth, 0.0, None), "{}", b.standing(2 * tenth));
         // Earning is capped at a new bucket's worth of standing and a unit, whatever
         // is paid ahead.
         b.earn(100 * NANOS_PER_SEC, 0.1);
@@ -1729,12 +1800,12 @@ mod tests {
     fn coming_down_to_a_bucket_no_larger_needs_no_credit() {
         // Holds 10 a second in 2 tokens; nothing earned.
         let b = bucket(5.0);
-        assert!(b.may_buy(Sent::Tokens { max_tokens: 2, tokens: 5, fill_secs: 1 }, 0, 0.5));
-        assert!(!b.may_buy(Sent::Tokens { max_tokens: 3, tokens: 5, fill_secs: 1 }, 0, 0.5));
+        assert!(b.may_buy(Sent::Tokens { max_tokens: 2, tokens: 5, fill_secs: 1 }, 0, 0.5, None));
+        assert!(!b.may_buy(Sent::Tokens { max_tokens: 3, tokens: 5, fill_secs: 1 }, 0, 0.5, None));
         // Faster by a unit a second: what that earns in two rounds half a second
         // apart does not cover 2 tokens; by two units, it does.
-        assert!(!b.may_buy(Sent::Tokens { max_tokens: 2, tokens: 11, fill_secs: 1 }, 0, 0.5));
-        assert!(b.may_buy(Sent::Tokens { max_tokens: 2, tokens: 12, fill_secs: 1 }, 0, 0.5));
+        assert!(!b.may_buy(Sent::Tokens { max_tokens: 2, tokens: 11, fill_secs: 1 }, 0, 0.5, None));
+        assert!(b.may_buy(Sent::Tokens { max_tokens: 2, tokens: 12, fill_secs: 1 }, 0, 0.5, None));
     }
 
     #[test]
@@ -1744,15 +1815,22 @@ mod tests {
         // Its part 8 a second: over by a quarter, down where something smaller
         // was bought, else held; to nothing where it is over half again its part, or its
         // part holds no bucket (under a token a minute).
-        assert!(!keeps(held, smaller, 8.0, 0.1));
-        assert!(keeps(held, Sent::Deny, 8.0, 0.1));
-        assert!(!keeps(held, Sent::Deny, 6.6, 0.1));
-        assert!(!keeps(held, Sent::Deny, 0.01, 0.1));
+        assert!(!keeps(held, smaller, 8.0, |r| capacity(r, 0.1)));
+        assert!(keeps(held, Sent::Deny, 8.0, |r| capacity(r, 0.1)));
+        assert!(!keeps(held, Sent::Deny, 6.6, |r| capacity(r, 0.1)));
+        assert!(!keeps(held, Sent::Deny, 0.01, |r| capacity(r, 0.1)));
         // Within a tenth either way: held.
-        assert!(keeps(held, Sent::Tokens { max_tokens: 2, tokens: 11, fill_secs: 1 }, 10.0, 0.1));
-        assert!(keeps(held, Sent::Deny, 9.5, 0.1));
+        assert!(keeps(held, Sent::Tokens { max_tokens: 2, tokens: 11, fill_secs: 1 }, 10.0, |r| {
+            capacity(r, 0.1)
+        }));
+        assert!(keeps(held, Sent::Deny, 9.5, |r| capacity(r, 0.1)));
         // A fifth more, and it pays within 2 s: changed.
-        assert!(!keeps(held, Sent::Tokens { max_tokens: 2, tokens: 12, fill_secs: 1 }, 12.0, 0.1));
+        assert!(!keeps(
+            held,
+            Sent::Tokens { max_tokens: 2, tokens: 12, fill_secs: 1 },
+            12.0,
+            |r| capacity(r, 0.1)
+        ));
     }
 
     #[test]
@@ -1763,13 +1841,13 @@ mod tests {
         let (horizon, burst) = (600_000_000, 0.1);
         // Up to 20 a second: 2 tokens and 20 x 0.6 s, less 10 x 0.2 s carried.
         let twenty = Sent::Tokens { max_tokens: 2, tokens: 20, fill_secs: 1 };
-        assert_eq!(b.choose(100, 0, horizon, burst, 20.0), (twenty, 12));
+        assert_eq!(b.choose(100, 0, horizon, burst, 20.0, None), (twenty, 12));
         // Exactly that is enough; a unit less is not.
-        assert_eq!(b.choose(12, 0, horizon, burst, 20.0).0, twenty);
-        assert_ne!(b.choose(11, 0, horizon, burst, 20.0).0, twenty);
+        assert_eq!(b.choose(12, 0, horizon, burst, 20.0, None).0, twenty);
+        assert_ne!(b.choose(11, 0, horizon, burst, 20.0, None).0, twenty);
         // Down to 5 a second: the held time carries at 5 a second (5 x 0.4 s).
         let five = Sent::Tokens { max_tokens: 2, tokens: 5, fill_secs: 1 };
-        assert_eq!(b.choose(100, 0, horizon, burst, 5.0), (five, 4));
+        assert_eq!(b.choose(100, 0, horizon, burst, 5.0, None), (five, 4));
         // Either way the new bucket is paid to the horizon, not past it.
         for (units, rate) in [(10, 20.0), (2, 5.0)] {
             let until = b.new_paid_until(units, rate, 0);
@@ -1777,7 +1855,38 @@ mod tests {
         }
         // Nothing held, or `DENY_ALL`: nothing carried.
         b.sent = Some(Sent::Deny);
-        assert_eq!(b.choose(100, 0, horizon, burst, 20.0), (twenty, 14));
+        assert_eq!(b.choose(100, 0, horizon, burst, 20.0, None), (twenty, 14));
+    }
+
+    #[test]
+    fn where_envoys_carry_tokens_a_change_pays_only_the_capacity_it_adds() {
+        // Holds 10 a second in 2 tokens, sent at 0 with a 2 s TTL; delivery 100 ms.
+        let mut b = bucket(20.0);
+        b.paid_until = 200_000_000;
+        let (horizon, burst) = (600_000_000, 0.1);
+        let carry = Some(Carry { ttl: 2 * NANOS_PER_SEC, slack: 100_000_000 });
+        let twenty = Sent::Tokens { max_tokens: 2, tokens: 20, fill_secs: 1 };
+        // The same capacity: only the rate, 20 x 0.6 s less 10 x 0.2 s carried.
+        assert_eq!(b.choose(100, 0, horizon, burst, 20.0, carry), (twenty, 10));
+        assert_eq!(b.choose(100, 0, horizon, burst, 20.0, None), (twenty, 12));
+        // A larger bucket pays for the tokens it adds: Envoy starts it at 4 x left / 2,
+        // at most what is left (paid already) and 2.
+        assert_eq!(b.fill_cost(4, 0, carry), 2);
+        assert_eq!(b.fill_cost(4, 0, None), 4);
+        // The held bucket expires (TTL 2 s) before a change sent at 1.95 s arrives:
+        // Envoy starts the new one full.
+        assert_eq!(b.fill_cost(2, 1_899_999_999, carry), 0);
+        assert_eq!(b.fill_cost(2, 1_900_000_000, carry), 2);
+        // Nothing held, or `DENY_ALL`: full.
+        b.sent = Some(Sent::Deny);
+        assert_eq!(b.fill_cost(2, 0, carry), 2);
+        b.sent = None;
+        assert_eq!(b.fill_cost(2, 0, carry), 2);
+        // A change is weighed at its fill cost and the token rounding may drop.
+        b.sent = Some(Sent::Tokens { max_tokens: 2, tokens: 10, fill_secs: 1 });
+        assert_eq!(b.change_cost(20.0, burst, 0, carry), 1);
+        assert_eq!(b.change_cost(20.0, burst, 0, None), 2);
+        assert_eq!(b.change_cost(100.0, burst, 0, carry), 9);
     }
 
     #[test]

@@ -115,6 +115,7 @@ struct RawRlqs {
     max_buckets: i64,
     max_total_buckets: i64,
     idle_ms: i64,
+    envoys_carry_tokens: bool,
 }
 
 #[derive(Debug, Deserialize)]
@@ -185,6 +186,7 @@ rlqs:
   max_buckets: 10000
   max_total_buckets: 200000
   idle_ms: 60000
+  envoys_carry_tokens: false
 dashboard:
   show_keys: false
 tracing:
@@ -291,6 +293,12 @@ pub struct RlqsConfig {
     /// A bucket with no requests reported for this long is abandoned
     /// (`rlqs.idle_ms`).
     pub idle: Duration,
+    /// Every Envoy on this server is 1.33 or later, which starts a bucket that
+    /// replaces a live one with its share of the old one's tokens rather than full:
+    /// a change is paid for only the capacity it adds (`rlqs.envoys_carry_tokens`).
+    /// An older Envoy would admit up to a new bucket's `max_tokens` beyond the
+    /// limits at each change: off by default, logged when on.
+    pub envoys_carry_tokens: bool,
 }
 
 /// Bounds on what callers may send.

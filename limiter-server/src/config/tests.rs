@@ -59,6 +59,16 @@ fn an_rlqs_ttl_shorter_than_two_rounds_is_refused() {
 }
 
 #[test]
+fn envoys_are_taken_to_start_a_changed_bucket_full_unless_told() {
+    assert!(!load(&[]).unwrap().rlqs.envoys_carry_tokens);
+    let c = load(&[("LIMITER__RLQS__ENVOYS_CARRY_TOKENS", "true")]).unwrap();
+    assert!(c.rlqs.envoys_carry_tokens);
+    let text =
+        load(&[("LIMITER__RLQS__ENVOYS_CARRY_TOKENS", "sometimes")]).unwrap_err().to_string();
+    assert!(text.contains("envoys_carry_tokens"), "{text}");
+}
+
+#[test]
 fn security_settings_are_checked_together() {
     let c = load(&[
         ("LIMITER__SECURITY__TOKENS_FILE", "/etc/limiter/tokens"),

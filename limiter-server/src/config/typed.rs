@@ -256,6 +256,7 @@ fn rlqs_config(errors: &mut Vec<String>, r: &super::RawRlqs) -> super::RlqsConfi
         max_buckets: positive(errors, "rlqs.max_buckets", r.max_buckets, 1 << 20),
         max_total_buckets: positive(errors, "rlqs.max_total_buckets", r.max_total_buckets, 1 << 26),
         idle: millis(errors, "rlqs.idle_ms", r.idle_ms, false),
+        envoys_carry_tokens: r.envoys_carry_tokens,
     }
 }
 

@@ -430,14 +430,36 @@ fn swings(counted: f64, expected: f64) -> bool {
 /// between Envoys), and a slow bucket's few requests a round cannot tell such a
 /// swing from noise for seconds: their sum can at once. (A bucket that swings on its
 /// own takes its own count, and one far off would otherwise set the factor for all.)
+///
+/// Likewise a shift: where the buckets' measures before were off the same way, both
+/// measures together [`SHIFT_EVIDENCE`] standard deviations off the estimates before
+/// them (each bucket's, as [`Bucket::measure`] weighs its own shift). A sixth of an
+/// Envoy's traffic moved elsewhere is about two standard deviations of a report of
+/// 300 requests, and smoothed, each bucket took seconds to follow it. The factor is
+/// the latest measure's, against the estimates it would update.
 fn stream_swing<'a>(buckets: impl Iterator<Item = &'a Bucket>) -> Option<f64> {
-    let (counted, expected) = buckets
-        .filter(|b| b.sent.is_some())
-        .filter_map(Bucket::pending)
-        .filter(|&(c, e)| !swings(c, e))
-        .fold((0.0, 0.0), |(c, e), (bc, be)| (c + bc, e + be));
+    // This measure against the estimates; and, over the buckets whose measure before
+    // was plain, both measures against the estimates before them.
+    let mut now = (0.0, 0.0);
+    let mut both = (0.0, 0.0);
+    let mut before = 0.0;
+    for b in buckets.filter(|b| b.sent.is_some()) {
+        let Some((c, e)) = b.pending().filter(|&(c, e)| !swings(c, e)) else { continue };
+        now = (now.0 + c, now.1 + e);
+        let (was_counted, was_secs, was_demand) = b.last;
+        if was_secs > 0.0 {
+            let secs = b.reported.saturating_sub(b.since) as f64 / NANOS_PER_SEC as f64;
+            both.0 += was_counted as f64 + c;
+            both.1 += was_demand * (was_secs + secs);
+            before += was_counted as f64 - was_demand * was_secs;
+        }
+    }
+    let (counted, expected) = now;
+    let shift = (counted - expected) * before > 0.0
+        && both.1 > 0.0
+        && off(both.0, both.1).abs() > SHIFT_EVIDENCE;
     // Finite only: counts are the Envoy's to choose.
-    (expected > 0.0 && swings(counted, expected))
+    (expected > 0.0 && (swings(counted, expected) || shift))
         .then(|| counted / expected)
         .filter(|r| r.is_finite())
 }
@@ -1922,6 +1944,29 @@ mod tests {
         few[0].counted = 200;
         few[1].counted = 2;
         assert_eq!(stream_swing(few.iter()), None);
+        // A fifth fewer requests than expected over the stream, twice: each short of
+        // a swing, together (against the estimates before both) a shift, taken at the
+        // latest measure's factor against the estimates it updates.
+        let mut buckets: Vec<Bucket> = (0..20).map(|_| bucket(15.0)).collect();
+        for b in &mut buckets {
+            b.counted = 6;
+            b.reported = NANOS_PER_SEC / 2;
+        }
+        assert_eq!(stream_swing(buckets.iter()), None, "one measure is noise");
+        for b in &mut buckets {
+            b.measure(None);
+            assert_eq!(b.last, (6, 0.5, 15.0));
+            b.counted = 6;
+            b.reported = NANOS_PER_SEC;
+        }
+        // The estimates moved a quarter of the way: 14.25 a second, 142.5 expected.
+        let r = stream_swing(buckets.iter()).expect("a shift");
+        assert!((r - 120.0 / 142.5).abs() < 1e-9, "{r}");
+        // Not after measures off the other way.
+        for b in &mut buckets {
+            b.last = (9, 0.5, 15.0);
+        }
+        assert_eq!(stream_swing(buckets.iter()), None);
         // A report just after the subscription is no rate: counted on.
         let mut b = bucket(0.0);
         b.sent = None;

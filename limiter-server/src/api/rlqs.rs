@@ -516,6 +516,9 @@ struct Bucket {
     /// The last measure was a swing or a shift (its own or the stream's): the next
     /// is taken whole.
     settling: bool,
+    /// What it holds is its route's failure policy, sent while the owner could not
+    /// be reached: not paid for, so a bucket replacing it carries nothing paid.
+    fallback: bool,
 }
 
 impl Bucket {
@@ -681,14 +684,16 @@ impl Bucket {
 
     /// What a new bucket of `cap` tokens sent at `now` costs for its tokens at once:
     /// all of them (Envoy starts a new bucket full), or, where Envoys carry tokens
-    /// (`carry`) and it replaces a token bucket still live at its Envoy when it
-    /// arrives, what it holds beyond the old one's `max_tokens`: Envoy 1.33 and later
-    /// start it with `max_tokens x left / old max_tokens`, rounded down, which is at
-    /// most the old one's tokens (paid already) and the difference.
+    /// (`carry`) and it replaces a paid token bucket (not a failure policy's) still
+    /// live at its Envoy when it arrives, what it holds beyond the old one's
+    /// `max_tokens`: Envoy 1.33 and later start it with `max_tokens x left / old
+    /// max_tokens`, rounded down, which is at most the old one's tokens (paid
+    /// already) and the difference.
     fn fill_cost(&self, cap: u64, now: Nanos, carry: Option<Carry>) -> u64 {
         match (carry, self.sent) {
             (Some(c), Some(Sent::Tokens { max_tokens, .. }))
-                if now.saturating_add(c.slack) < self.sent_at.saturating_add(c.ttl) =>
+                if !self.fallback
+                    && now.saturating_add(c.slack) < self.sent_at.saturating_add(c.ttl) =>
             {
                 cap.saturating_sub(u64::from(max_tokens))
             }
@@ -757,6 +762,7 @@ impl Bucket {
             // long as an assignment lives.
             self.lease = (0, 0);
             let sent = self.failure_policy();
+            self.fallback = true;
             tally.fallback += 1;
             self.sent = Some(sent);
             self.sent_at = m.now;
@@ -816,6 +822,10 @@ impl Bucket {
                 self.sent_at = m.now;
                 assignment(self.id.clone(), sent, m.ttl)
             });
+        if self.sent != Some(sent) {
+            // Replaced: what it holds now was paid for.
+            self.fallback = false;
+        }
         self.sent = Some(sent);
         action
     }
@@ -1288,6 +1298,7 @@ impl Session {
             swung: false,
             last: (0, 0.0, 0.0),
             settling: false,
+            fallback: false,
         })
     }
 
@@ -1633,6 +1644,7 @@ mod tests {
             swung: false,
             last: (0, 0.0, 0.0),
             settling: false,
+            fallback: false,
         }
     }
 
@@ -1899,7 +1911,10 @@ mod tests {
         // Envoy starts the new one full.
         assert_eq!(b.fill_cost(2, 1_899_999_999, carry), 0);
         assert_eq!(b.fill_cost(2, 1_900_000_000, carry), 2);
-        // Nothing held, or `DENY_ALL`: full.
+        // Nothing held, `DENY_ALL`, or a failure policy's bucket (not paid): full.
+        b.fallback = true;
+        assert_eq!(b.fill_cost(2, 0, carry), 2);
+        b.fallback = false;
         b.sent = Some(Sent::Deny);
         assert_eq!(b.fill_cost(2, 0, carry), 2);
         b.sent = None;

@@ -414,11 +414,11 @@ async fn fleet(weight: fn(usize, bool) -> f64, envoys_are: Envoys) {
 const USE_FLOOR: f64 = 0.9;
 
 /// The most an Envoy's admitted share may be off its demand share (either phase)
-/// in the fleet tests: above what they measure (at most 14.1% over the last two
-/// sessions' runs, 16.8% once before), below what dividing without demand would
-/// give (an even split leaves the Envoy of ten parts 40% short) or what a smallest
-/// bucket of one token gave (22-65%).
-const SHARE_BOUND: f64 = 0.2;
+/// in the fleet tests: above what they measure (at most 18.3% over the last two
+/// sessions' runs, most under 10%), below what dividing without demand would give
+/// (an even split leaves the Envoy of ten parts 40% short, the Envoy of one part
+/// twice its share) or what a smallest bucket of one token gave (22-65%).
+const SHARE_BOUND: f64 = 0.3;
 
 /// One Envoy's stream of 10,000 buckets, against a server process: every bucket is
 /// assigned within the stream's cap (the default, 10,000), and the server's memory

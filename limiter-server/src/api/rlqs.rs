@@ -448,9 +448,8 @@ fn stream_swing<'a>(buckets: impl Iterator<Item = &'a Bucket>) -> Option<f64> {
         now = (now.0 + c, now.1 + e);
         let (was_counted, was_secs, was_demand) = b.last;
         if was_secs > 0.0 {
-            let secs = b.reported.saturating_sub(b.since) as f64 / NANOS_PER_SEC as f64;
             both.0 += was_counted as f64 + c;
-            both.1 += was_demand * (was_secs + secs);
+            both.1 += was_demand * (was_secs + b.pending_secs());
             before += was_counted as f64 - was_demand * was_secs;
         }
     }
@@ -525,8 +524,13 @@ impl Bucket {
     /// The requests reported since the last measure and what the estimate expected
     /// of them (`None`: no report since).
     fn pending(&self) -> Option<(f64, f64)> {
-        let secs = self.reported.saturating_sub(self.since) as f64 / NANOS_PER_SEC as f64;
+        let secs = self.pending_secs();
         (secs >= MIN_MEASURE).then_some((self.counted as f64, self.demand * secs))
+    }
+
+    /// Seconds between the report the demand was last measured up to and the latest.
+    fn pending_secs(&self) -> f64 {
+        self.reported.saturating_sub(self.since) as f64 / NANOS_PER_SEC as f64
     }
 
     /// Folds the requests reported since the last measure into the demand, over the
@@ -537,7 +541,7 @@ impl Bucket {
     /// once, then its own count as usual.
     fn measure(&mut self, stream: Option<f64>) {
         let upto = self.reported;
-        let secs = upto.saturating_sub(self.since) as f64 / NANOS_PER_SEC as f64;
+        let secs = self.pending_secs();
         if secs < MIN_MEASURE {
             // Too short to say anything (a report just after the subscription: one
             // request over a few milliseconds is no rate); counted on.

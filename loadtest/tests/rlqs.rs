@@ -185,13 +185,16 @@ async fn a_swing_of_half_the_demand_is_rebalanced_within_the_limits() {
     fleet(half_moved, Envoys::StartFull).await;
 }
 
-/// One fleet at a time: two at once would share the machine's two cores.
-static ONE_FLEET_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+/// One of this file's tests at a time: each runs a server and a fleet (the drain
+/// test three server processes), and two at once share the machine's two cores. A
+/// fleet measured beside the drain test (the suite's default) once put an Envoy's
+/// share 31% and 43% off its demand share, where alone it is within 14%.
+static ONE_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
 /// Runs the fleet with Envoy `e` offered `weight(e, swung)` parts of each bucket's
 /// twice its limit, and judges it (see the module's documentation).
 async fn fleet(weight: fn(usize, bool) -> f64, envoys_are: Envoys) {
-    let _one = ONE_FLEET_AT_A_TIME.lock().await;
+    let _one = ONE_AT_A_TIME.lock().await;
     let limits = limits();
     let clock: Arc<dyn Clock> = Arc::new(MonotonicClock::new());
     let carrying = envoys_are == Envoys::Carry;
@@ -426,6 +429,7 @@ const SHARE_BOUND: f64 = 0.3;
 /// in BENCHMARKS.md; this build is a test build).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stream_of_ten_thousand_buckets_is_served_whole() {
+    let _one = ONE_AT_A_TIME.lock().await;
     loadtest::procs::use_binary(std::path::PathBuf::from(env!("CARGO_BIN_EXE_loadtest")));
     let dir = tempfile::tempdir().unwrap();
     let s = loadtest::rlqs::scale(10_000, 3, dir.path()).await.unwrap();
@@ -464,6 +468,7 @@ const DRAIN_REPORTING: Duration = Duration::from_millis(1_500);
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_drained_nodes_envoys_subscribe_elsewhere_with_nothing_over_the_limits() {
     use limiter_proto::limiter::v1 as pb;
+    let _one = ONE_AT_A_TIME.lock().await;
     loadtest::procs::use_binary(std::path::PathBuf::from(env!("CARGO_BIN_EXE_loadtest")));
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("policies.yaml");

@@ -12,11 +12,12 @@
 //! independent reference (`limiter-reference`) at zero tolerance: every admission
 //! may be placed no earlier than when the assignment that admitted it was sent
 //! (paid, in the server's round, before it was sent) and no later than when it was
-//! admitted. Reported beside it, against the targets the design does not meet yet
-//! (README "Envoy RLQS"): the share of what the reference admits of the same
-//! arrivals that the fleet admits after a warm-up (target 95%), and each Envoy's
-//! admitted share against its demand share, before the swing and from two reporting
-//! intervals after it (target within 10%).
+//! admitted. Beside it, the share of what the reference admits of the same arrivals
+//! that the fleet admits after a warm-up (target 95%): asserted at the target from
+//! the warm-up to the swing, reported over the whole run (the swing included), and
+//! each Envoy's admitted share against its demand share, before the swing and from
+//! two reporting intervals after it (target within 10%, reported: README "Envoy
+//! RLQS" says which targets are not met yet).
 
 use std::collections::HashMap;
 use std::fmt::Write as _;
@@ -270,6 +271,8 @@ async fn fleet(weight: fn(usize, bool) -> f64, envoys_are: Envoys) {
     // Shares are judged from two reporting intervals after the swing.
     let settled = start + (SWING_AT + 2 * REPORTING).as_nanos() as u64;
     let swing = start + SWING_AT.as_nanos() as u64;
+    // Use from then to the end (the swing re-balanced).
+    let mut rebalanced = (0u64, 0u64);
     for &(b, e, at, ok) in &arrivals {
         let spec = Spec::TokenBucket { amount: limits[b], period: NANOS_PER_SEC, burst: limits[b] };
         let fits = levels.entry(b).or_insert_with(|| Level::new(spec)).try_take(at, 1);
@@ -281,6 +284,10 @@ async fn fleet(weight: fn(usize, bool) -> f64, envoys_are: Envoys) {
             use_by_phase[p].1 += u64::from(ok);
             by_bucket[b].0 += u64::from(fits);
             by_bucket[b].1 += u64::from(ok);
+        }
+        if at >= settled {
+            rebalanced.0 += u64::from(fits);
+            rebalanced.1 += u64::from(ok);
         }
         let phase = match at {
             t if t >= warm && t < swing => Some(0),
@@ -310,11 +317,13 @@ async fn fleet(weight: fn(usize, bool) -> f64, envoys_are: Envoys) {
     let pct = |(i, g): (u64, u64)| g as f64 * 100.0 / i.max(1) as f64;
     let _ = writeln!(
         report,
-        "use from the warm-up to the swing {:.1}%, in the {} s after it {:.1}%, after those {:.1}%",
+        "use from the warm-up to the swing {:.1}%, in the {} s after it {:.1}%, after those \
+         {:.1}%; from two reporting intervals after the swing {:.1}%",
         pct(use_by_phase[0]),
         transition.as_secs_f64(),
         pct(use_by_phase[1]),
-        pct(use_by_phase[2])
+        pct(use_by_phase[2]),
+        pct(rebalanced)
     );
     let per: Vec<String> = by_bucket
         .iter()
@@ -386,8 +395,8 @@ async fn fleet(weight: fn(usize, bool) -> f64, envoys_are: Envoys) {
     }
     let _ = writeln!(
         report,
-        "targets (reported, not yet met: README \"Envoy RLQS\"): use at least 95%, each share \
-         within 10%; measured {:.1}%, worst {:.1}% before the swing and {:.1}% after",
+        "targets (README \"Envoy RLQS\"): use at least 95% over the run, each share within \
+         10%; measured {:.1}%, worst {:.1}% before the swing and {:.1}% after",
         used * 100.0,
         off_by[0] * 100.0,
         off_by[1] * 100.0
@@ -397,11 +406,14 @@ async fn fleet(weight: fn(usize, bool) -> f64, envoys_are: Envoys) {
     assert_eq!(over, 0, "{worst}\n{report}");
     // And the fleet is served at all (every Envoy admits under its assignments),
     // its use and shares no worse than this design has shown (floors against
-    // regressions; the targets, 95% and 10%, are reported above).
+    // regressions; the targets over the run, 95% and 10%, are reported above).
     for (e, a) in admitted.iter().enumerate() {
         assert!(a[0] > 0 && a[1] > 0, "Envoy {e} admitted nothing in a phase\n{report}");
     }
     assert!(used >= USE_FLOOR, "use below {USE_FLOOR}\n{report}");
+    // The design's target for a fleet at twice its limits, met before the swing.
+    let steady = pct(use_by_phase[0]) / 100.0;
+    assert!(steady >= STEADY_USE, "use before the swing below {STEADY_USE}\n{report}");
     assert!(
         off_by.iter().all(|&o| o <= SHARE_BOUND),
         "a share more than {SHARE_BOUND} off its demand share\n{report}"
@@ -415,6 +427,13 @@ async fn fleet(weight: fn(usize, bool) -> f64, envoys_are: Envoys) {
 /// gives (an Envoy reporting less often than every round once read as idle: 28%)
 /// or what a smallest bucket of one token gave (81-83%).
 const USE_FLOOR: f64 = 0.9;
+
+/// The least use from the warm-up to the swing (the fleet steady at twice its
+/// limits): the design's target, 95%. Measured 96.7-101.1% over nine runs of the
+/// three fleets alone, 95.8-96.8% in one run beside the drain test (the file's tests
+/// now run one at a time). Over the whole run the 2 s after the swing (77-84%)
+/// bring it to 94.7-96.3%, against [`USE_FLOOR`].
+const STEADY_USE: f64 = 0.95;
 
 /// The most an Envoy's admitted share may be off its demand share (either phase)
 /// in the fleet tests: above what they measure (at most 18.3% over the last two

@@ -2085,11 +2085,15 @@ mod tests {
         let (s, _, _sent) = stream(&dir);
         let ask =
             |want: u64, after_keeps: bool| pb::LeaseItem { after_keeps, ..rate_ask(want, 5_000) };
+        // A level of 10 keeps 2 units (a quarter of its capacity, under
+        // `RATE_PART_MIN`): a twentieth of a second of its rate is under one.
         let buy = s.owner.lease("rlqs:test:a", &[ask(10, true)]).await.unwrap();
-        assert_eq!((buy[0].units, left(&s).await), (9, 1));
+        assert_eq!((buy[0].units, left(&s).await), (8, 2));
         let again = s.owner.lease("rlqs:test:b", &[ask(1, true)]).await.unwrap();
-        assert_eq!((again[0].units, left(&s).await), (0, 1));
+        assert_eq!((again[0].units, left(&s).await), (0, 2));
         let keep = s.owner.lease("rlqs:test:b", &[ask(1, false)]).await.unwrap();
+        assert_eq!((keep[0].units, left(&s).await), (1, 1));
+        let keep = s.owner.lease("rlqs:test:c", &[ask(1, false)]).await.unwrap();
         assert_eq!((keep[0].units, left(&s).await), (1, 0));
     }
 

@@ -68,6 +68,19 @@ const RATE_PART_MIN: u64 = 3;
 /// into the parts (see [`rate_part`]).
 const RATE_STOCK_KEPT: f64 = 0.05;
 
+/// The stock a level keeps for its holders' keeps: [`RATE_STOCK_KEPT`] of its rate,
+/// and at least [`RATE_PART_MIN`] units where its capacity holds four times that.
+/// A keep pays whole units (a slow rate one unit every few rounds), so in a small
+/// level the keeps of one round vary by units about their mean (the level's refill):
+/// with a twentieth of a second kept (under a unit at 12 a second), the round whose
+/// keeps came out above it left some unpaid, and each sent `DENY_ALL` and bought a
+/// full bucket again, which took the next round's refill (a trace of a 12-a-second
+/// bucket shared by ten Envoys: four keeps of one round granted nothing).
+fn kept_for_keeps(per_sec: f64, capacity: u64) -> f64 {
+    let floor = RATE_PART_MIN.min(capacity / 4) as f64;
+    (per_sec * RATE_STOCK_KEPT).max(floor)
+}
+
 /// Over how many seconds a stock beyond [`RATE_STOCK_KEPT`] is added to the parts.
 const RATE_STOCK_SPENT: f64 = 1.0;
 
@@ -115,7 +128,7 @@ fn rate_part(
     per_sec: Option<f64>,
     shares: Shares,
     item: &pb::LeaseItem,
-    stock: Option<u64>,
+    stock: Option<(u64, u64)>,
 ) -> Option<(u64, u64)> {
     let (mine, all) = shares.demand;
     let period = item.renews_within.as_ref().map_or(0, convert::nanos_of);
@@ -123,8 +136,9 @@ fn rate_part(
         return None;
     }
     let per_sec = per_sec?;
-    let kept = per_sec * RATE_STOCK_KEPT;
-    let spent = stock.map_or(0.0, |s| (s as f64 - kept).max(0.0) / RATE_STOCK_SPENT);
+    let spent = stock.map_or(0.0, |(s, capacity)| {
+        (s as f64 - kept_for_keeps(per_sec, capacity)).max(0.0) / RATE_STOCK_SPENT
+    });
     let rate = (per_sec + spent) * mine as f64 / all as f64;
     let part = rate * period as f64 / NANOS_PER_SEC as f64;
     // A part smaller than the smallest assignment's cost is that cost with the
@@ -404,7 +418,9 @@ impl Owner {
             });
         let contended = stock_kept
             && per_sec.is_some_and(|r| shares.demand.1 as f64 / book::DEMAND_SCALE as f64 >= r);
-        let stock = if contended { self.leases().stock(cid, now) } else { None };
+        let level = crate::store::capacity(&chain);
+        let stock =
+            if contended { self.leases().stock(cid, now).map(|s| (s, level)) } else { None };
         let part = if rates { rate_part(per_sec, shares, item, stock) } else { None };
         let (ask, shares) = match part {
             // Its part of the rate already divides the chain among its holders:
@@ -423,7 +439,7 @@ impl Owner {
         // may take back whatever the level holds.
         let keep_back = match per_sec {
             Some(r) if stock_kept && item.after_keeps => {
-                (whole_units(r * RATE_STOCK_KEPT), item.least.min(back.map_or(0, |b| b.units)))
+                (whole_units(kept_for_keeps(r, level)), item.least.min(back.map_or(0, |b| b.units)))
             }
             _ => (0, 0),
         };

@@ -2077,16 +2077,16 @@ mod tests {
     }
 
     /// A new bucket (asked for after the round's keeps) is paid only from what the
-    /// level holds beyond what the next keeps need, a twentieth of a second of its
-    /// rate (1 unit at 10 a second); a keep may take the last units.
+    /// level holds beyond what the next keeps need (here 2 units: a twentieth of a
+    /// second of its rate is under one); a keep may take the last units.
     #[tokio::test]
     async fn a_new_bucket_leaves_the_next_keeps_their_units() {
         let dir = tempfile::tempdir().unwrap();
         let (s, _, _sent) = stream(&dir);
         let ask =
             |want: u64, after_keeps: bool| pb::LeaseItem { after_keeps, ..rate_ask(want, 5_000) };
-        // A level of 10 keeps 2 units (a quarter of its capacity, under
-        // `RATE_PART_MIN`): a twentieth of a second of its rate is under one.
+        // A level of 10 keeps 2 units: a quarter of its capacity, under
+        // `RATE_PART_MIN`.
         let buy = s.owner.lease("rlqs:test:a", &[ask(10, true)]).await.unwrap();
         assert_eq!((buy[0].units, left(&s).await), (8, 2));
         let again = s.owner.lease("rlqs:test:b", &[ask(1, true)]).await.unwrap();

@@ -64,8 +64,9 @@ const RATE_PART_MIN: u64 = 3;
 /// bought a little after their keeps (`LeaseItem.after_keeps`), and a level they
 /// emptied had refilled less than a round's keeps by the next round (a trace of a
 /// 12-a-second bucket: the last stream's keeps granted nothing, its Envoy sent
-/// `DENY_ALL` and buying again, every few rounds). A stock beyond it is divided
-/// into the parts (see [`rate_part`]).
+/// `DENY_ALL` and buying again, every few rounds). In a small level it is at least
+/// a few units ([`kept_for_keeps`]). A stock beyond it is divided into the parts
+/// (see [`rate_part`]).
 const RATE_STOCK_KEPT: f64 = 0.05;
 
 /// The stock a level keeps for its holders' keeps: [`RATE_STOCK_KEPT`] of its rate,
@@ -81,7 +82,8 @@ fn kept_for_keeps(per_sec: f64, capacity: u64) -> f64 {
     (per_sec * RATE_STOCK_KEPT).max(floor)
 }
 
-/// Over how many seconds a stock beyond [`RATE_STOCK_KEPT`] is added to the parts.
+/// Over how many seconds a stock beyond what is kept ([`kept_for_keeps`]) is added
+/// to the parts.
 const RATE_STOCK_SPENT: f64 = 1.0;
 
 /// The rate of a chain's tightest level, units a second (a bucket's refill, a
@@ -116,11 +118,12 @@ fn whole_units(x: f64) -> u64 {
 ///
 /// Where the holders' rounds leave a stock in a level of token buckets (its
 /// holders' held rates run below their parts, within what a change is worth) and
-/// their demand is above its rate, the stock beyond [`RATE_STOCK_KEPT`] is divided
-/// too, over [`RATE_STOCK_SPENT`]: otherwise it grows each round until the level is
-/// full and its refill is lost. (`stock` is given only then: below the rate it is
-/// the level's unused burst, and adding it raised a lone holder's rate above the
-/// limit for as long as the burst lasted.)
+/// their demand is above its rate, the stock beyond what is kept
+/// ([`kept_for_keeps`]) is divided too, over [`RATE_STOCK_SPENT`]: otherwise it
+/// grows each round until the level is full and its refill is lost. (`stock`, with
+/// the level's capacity, is given only then: below the rate it is the level's
+/// unused burst, and adding it raised a lone holder's rate above the limit for as
+/// long as the burst lasted.)
 ///
 /// `per_sec` is the chain's rate ([`chain_rate`]). Returns the units and the part as
 /// a rate, in thousandths of a unit a second.

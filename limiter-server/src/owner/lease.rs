@@ -421,7 +421,9 @@ impl Owner {
             });
         let contended = stock_kept
             && per_sec.is_some_and(|r| shares.demand.1 as f64 / book::DEMAND_SCALE as f64 >= r);
-        let level = crate::store::capacity(&chain);
+        // The tightest level's capacity, which sizes what a small level keeps (only
+        // a rate holder's call needs it).
+        let level = if rates { crate::store::capacity(&chain) } else { 0 };
         let stock =
             if contended { self.leases().stock(cid, now).map(|s| (s, level)) } else { None };
         let part = if rates { rate_part(per_sec, shares, item, stock) } else { None };

@@ -137,6 +137,12 @@ const BUYS_SPREAD: Duration = Duration::from_millis(10);
 /// square-root scale: a swing of half the demand is then taken within two reports
 /// rather than smoothed over many.
 const SHIFT_EVIDENCE: f64 = 3.0;
+/// The fewest requests (counted, or expected by the estimate) that make the measure
+/// after a swing a measure to take whole: fewer are a few requests' noise (at half a
+/// second's report, a part of 0.4 a second counts none four times in five), and a
+/// slow bucket that took them whole sat at an estimate of 0, its part with it, until
+/// a request came; its stream's factor moves it instead ([`stream_swing`]).
+const WHOLE_MEASURE: f64 = 10.0;
 /// The shortest span demand is measured over, seconds (Envoy reports every 100 ms
 /// at most often).
 const MIN_MEASURE: f64 = 0.05;
@@ -547,7 +553,8 @@ impl Bucket {
             // request over a few milliseconds is no rate); counted on.
             return;
         }
-        // The measure after a swing or a shift is taken whole as well: the swing
+        // The measure after a swing or a shift is taken whole as well, where it holds
+        // enough requests to be one ([`WHOLE_MEASURE`]): the swing
         // fell somewhere inside the span that showed it, so that span's rate was part
         // old demand and part new, and smoothing from it took the new demand rounds
         // to reach (a count off by less than a swing then moves a quarter a round).
@@ -582,7 +589,8 @@ impl Bucket {
             && (was_counted as f64 - was_demand * was_secs) * by > 0.0
             && off(both, was_demand * (was_secs + secs)).abs() > SHIFT_EVIDENCE;
         let before = self.demand;
-        self.demand = if (self.sent.is_none() && self.demand == 0.0) || swing || after_swing {
+        let take_whole = after_swing && (self.counted as f64).max(expected) >= WHOLE_MEASURE;
+        self.demand = if (self.sent.is_none() && self.demand == 0.0) || swing || take_whole {
             latest
         } else if shift {
             // Both measures, over both spans.
@@ -1821,6 +1829,21 @@ mod tests {
         // After that, noise is smoothed again.
         report(&mut b, 42, 3 * NANOS_PER_SEC / 2);
         assert!((b.demand - (0.25 * 84.0 + 0.75 * 80.0)).abs() < 1e-9, "{}", b.demand);
+        // A slow bucket's measure after a swing holds a few requests' noise: not
+        // taken whole. 40 a second, then 1 in half a second (20 expected): a swing,
+        // to 2 a second; then no request in half a second (1 expected) is smoothed,
+        // not an estimate of 0 (which left its part at nothing until a request came).
+        let mut b = bucket(40.0);
+        report(&mut b, 1, NANOS_PER_SEC / 2);
+        assert!((b.demand - 2.0).abs() < 1e-9, "{}", b.demand);
+        report(&mut b, 0, NANOS_PER_SEC);
+        assert!((b.demand - 1.5).abs() < 1e-9, "{}", b.demand);
+        // Where the estimate expects enough, an empty measure after a swing is one:
+        // 400 a second, then 20 in half a second (200 expected), then none.
+        let mut b = bucket(400.0);
+        report(&mut b, 20, NANOS_PER_SEC / 2);
+        report(&mut b, 0, NANOS_PER_SEC);
+        assert!(b.demand.abs() < 1e-9, "{}", b.demand);
     }
 
     #[test]

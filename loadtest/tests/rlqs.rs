@@ -14,7 +14,8 @@
 //! (paid, in the server's round, before it was sent) and no later than when it was
 //! admitted. Beside it, the share of what the reference admits of the same arrivals
 //! that the fleet admits after a warm-up (target 95%): asserted at the target from
-//! the warm-up to the swing, reported over the whole run (the swing included), and
+//! the warm-up to the swing and from two reporting intervals after it to the end,
+//! reported over the whole run (the swing included), and
 //! each Envoy's admitted share against its demand share, before the swing and from
 //! two reporting intervals after it (target within 10%, reported: README "Envoy
 //! RLQS" says which targets are not met yet).
@@ -411,9 +412,15 @@ async fn fleet(weight: fn(usize, bool) -> f64, envoys_are: Envoys) {
         assert!(a[0] > 0 && a[1] > 0, "Envoy {e} admitted nothing in a phase\n{report}");
     }
     assert!(used >= USE_FLOOR, "use below {USE_FLOOR}\n{report}");
-    // The design's target for a fleet at twice its limits, met before the swing.
+    // The design's target for a fleet at twice its limits, met before the swing and
+    // again from two reporting intervals after it (the swing re-balanced).
     let before_swing = pct(use_by_phase[0]) / 100.0;
     assert!(before_swing >= STEADY_USE, "use before the swing below {STEADY_USE}\n{report}");
+    let after_swing = pct(rebalanced) / 100.0;
+    assert!(
+        after_swing >= STEADY_USE,
+        "use from two reporting intervals after the swing below {STEADY_USE}\n{report}"
+    );
     assert!(
         off_by.iter().all(|&o| o <= SHARE_BOUND),
         "a share more than {SHARE_BOUND} off its demand share\n{report}"
@@ -429,10 +436,12 @@ async fn fleet(weight: fn(usize, bool) -> f64, envoys_are: Envoys) {
 const USE_FLOOR: f64 = 0.9;
 
 /// The least use from the warm-up to the swing (the fleet steady at twice its
-/// limits): the design's target, 95%. Measured 96.7-101.1% over nine runs of the
-/// three fleets alone and 96.9-101.2% in three runs of the whole file. Over the
-/// whole run the 2 s after the swing (78.5-83.9%) bring it to 95.1-96.8%, against
-/// [`USE_FLOOR`].
+/// limits), and from two reporting intervals after the swing to the end (the swing
+/// re-balanced within two reports): the design's target, 95%. Measured 96.9-101.4%
+/// before the swing and 96.3-97.9% after it in 30 runs of the three fleets (ten of
+/// each, four of them as the suite runs the file; 2026-12-06's thirteenth session).
+/// Over the whole run the 2 s after the swing (78.0-83.6%) bring it to 95.2-97.5%,
+/// against [`USE_FLOOR`].
 const STEADY_USE: f64 = 0.95;
 
 /// The most an Envoy's admitted share may be off its demand share (either phase)

@@ -554,10 +554,10 @@ impl Bucket {
             return;
         }
         // The measure after a swing or a shift is taken whole as well, where it holds
-        // enough requests to be one ([`WHOLE_MEASURE`]): the swing
-        // fell somewhere inside the span that showed it, so that span's rate was part
-        // old demand and part new, and smoothing from it took the new demand rounds
-        // to reach (a count off by less than a swing then moves a quarter a round).
+        // enough requests to be one ([`WHOLE_MEASURE`]): the swing fell somewhere
+        // inside the span that showed it, so that span's rate was part old demand and
+        // part new, and smoothing from it took the new demand rounds to reach (a count
+        // off by less than a swing then moves a quarter a round).
         let after_swing = std::mem::take(&mut self.settling);
         let mut stream_swung = false;
         if let Some(r) = stream

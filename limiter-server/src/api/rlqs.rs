@@ -361,15 +361,16 @@ fn buy_ask(cap: u64, rate: f64, span: Nanos) -> u64 {
 /// grant paid a keep, and the bucket those units buy (its rate over the round
 /// after its `max_tokens`) may be far below the part; held there, it waited a
 /// second or more to earn its rise (a trace: the Envoy of the largest part after
-/// a swing held half its part for 1.0 s and 1.3 s, 12% under its share there).
-/// Kept, its next round asks for a new bucket at its part.
+/// a swing held half its part for 1.0 s and 1.3 s, 11% under its share there).
+/// Kept, its next round asks for a new bucket at its part. (`DENY_ALL` is nearer
+/// only where the held rate is over twice the part, so over half again.)
 /// `cost`: what a new bucket of a rate costs at once ([`Bucket::change_cost`]).
 fn keeps(held: Sent, changed: Sent, fair: f64, cost: impl Fn(f64) -> u64) -> bool {
     let to_nothing = tokens_for(fair).is_none() || held.rate() > fair * COME_DOWN_WHOLE;
     let nearer = (changed.rate() - fair).abs() < held.rate() - fair;
     let comes_down = held.rate() > fair * COME_DOWN
         && worth_changing(held.rate(), fair, cost(fair))
-        && (to_nothing || changed != Sent::Deny && nearer);
+        && (to_nothing || nearer);
     let better = changed.rate() > held.rate() * KEEP_WITHIN
         && worth_changing(held.rate(), changed.rate(), cost(changed.rate()));
     !comes_down && !better

@@ -361,7 +361,8 @@ fn buy_ask(cap: u64, rate: f64, span: Nanos) -> u64 {
 /// grant paid a keep, and the bucket those units buy (its rate over the round
 /// after its `max_tokens`) may be far below the part; held there, it waited a
 /// second or more to earn its rise (a trace: the Envoy of the largest part after
-/// a swing held half its part for 1.0 s and 1.3 s, 11% under its share there).
+/// a swing held half its part for 1.0 s so, and for 1.3 s after coming down from
+/// over half again, which still comes down at once; 11% under its share there).
 /// Kept, its next round asks for a new bucket at its part. (`DENY_ALL` is nearer
 /// only where the held rate is over twice the part, so over half again.)
 /// `cost`: what a new bucket of a rate costs at once ([`Bucket::change_cost`]).

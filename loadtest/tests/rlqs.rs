@@ -266,8 +266,9 @@ async fn fleet(weight: fn(usize, bool) -> f64, envoys_are: Envoys) {
     let steady = start + (SWING_AT + transition).as_nanos() as u64;
     let mut by_bucket = vec![(0u64, 0u64); BUCKETS];
     let mut admitted = [[0u64; 2]; ENVOYS];
-    // After the swing, by the size of the bucket: (offered, admitted) per Envoy.
-    let mut by_size = [[(0u64, 0u64); ENVOYS]; SIZES.len()];
+    // Before the swing and after it, by the size of the bucket: (offered, admitted)
+    // per Envoy.
+    let mut by_size = [[[(0u64, 0u64); ENVOYS]; SIZES.len()]; 2];
     let mut offered = [[0u64; 2]; ENVOYS];
     // Shares are judged from two reporting intervals after the swing.
     let settled = start + (SWING_AT + 2 * REPORTING).as_nanos() as u64;
@@ -299,10 +300,10 @@ async fn fleet(weight: fn(usize, bool) -> f64, envoys_are: Envoys) {
             offered[e][p] += 1;
             admitted[e][p] += u64::from(ok);
         }
-        if phase == Some(1) {
+        if let Some(p) = phase {
             let g = SIZES.iter().position(|(_, r)| r.contains(&b)).unwrap();
-            by_size[g][e].0 += 1;
-            by_size[g][e].1 += u64::from(ok);
+            by_size[p][g][e].0 += 1;
+            by_size[p][g][e].1 += u64::from(ok);
         }
     }
     let used = got as f64 / ideal as f64;
@@ -382,17 +383,19 @@ async fn fleet(weight: fn(usize, bool) -> f64, envoys_are: Envoys) {
         let phase = if p == 0 { "before the swing" } else { "after it" };
         let _ = writeln!(report, "each Envoy's share against its demand share, {phase}:{line}");
     }
-    for (g, (label, _)) in SIZES.iter().enumerate() {
-        let total: u64 = by_size[g].iter().map(|x| x.1).sum();
-        let demand: u64 = by_size[g].iter().map(|x| x.0).sum();
-        let line: Vec<String> = by_size[g]
-            .iter()
-            .map(|&(o, a)| {
-                let d = (a as f64 / total as f64) / (o as f64 / demand as f64) - 1.0;
-                format!("{:+.1}%", d * 100.0)
-            })
-            .collect();
-        let _ = writeln!(report, "  after it, in the {label}: {}", line.join(" "));
+    for (p, phase) in ["before the swing", "after it"].iter().enumerate() {
+        for (g, (label, _)) in SIZES.iter().enumerate() {
+            let total: u64 = by_size[p][g].iter().map(|x| x.1).sum();
+            let demand: u64 = by_size[p][g].iter().map(|x| x.0).sum();
+            let line: Vec<String> = by_size[p][g]
+                .iter()
+                .map(|&(o, a)| {
+                    let d = (a as f64 / total as f64) / (o as f64 / demand as f64) - 1.0;
+                    format!("{:+.1}%", d * 100.0)
+                })
+                .collect();
+            let _ = writeln!(report, "  {phase}, in the {label}: {}", line.join(" "));
+        }
     }
     let _ = writeln!(
         report,

@@ -42,6 +42,10 @@ const REPORTING: Duration = Duration::from_millis(500);
 /// for it (its round's grant, then the send): generous for loopback.
 const DELIVERY: Nanos = 200_000_000;
 
+/// The report's two phases, by their index: before the swing (from the warm-up) and
+/// after it (shares from two reporting intervals after it).
+const PHASES: [&str; 2] = ["before the swing", "after it"];
+
 /// The buckets by size (their limits fall with their index), for the report.
 const SIZES: [(&str, std::ops::Range<usize>); 3] =
     [("three largest", 0..3), ("next seven", 3..10), ("twenty smallest", 10..BUCKETS)];
@@ -339,7 +343,7 @@ async fn fleet(weight: fn(usize, bool) -> f64, envoys_are: Envoys) {
     // Envoy's demand while it held nothing), each in units of the limits.
     let logs: Vec<_> = envoys.iter().map(|e| e.logs()).collect();
     let end = start + RUN.as_nanos() as u64;
-    for (phase, (from, to)) in [("before the swing", (warm, swing)), ("after it", (swing, end))] {
+    for (phase, (from, to)) in PHASES.into_iter().zip([(warm, swing), (swing, end)]) {
         let secs = (to - from) as f64 / NANOS_PER_SEC as f64;
         let within = |at: Nanos| at >= from && at < to;
         let mut lost = String::new();
@@ -380,10 +384,10 @@ async fn fleet(weight: fn(usize, bool) -> f64, envoys_are: Envoys) {
             off_by[p] = off_by[p].max(d.abs());
             let _ = write!(line, " {:+.1}%", d * 100.0);
         }
-        let phase = if p == 0 { "before the swing" } else { "after it" };
+        let phase = PHASES[p];
         let _ = writeln!(report, "each Envoy's share against its demand share, {phase}:{line}");
     }
-    for (p, phase) in ["before the swing", "after it"].iter().enumerate() {
+    for (p, phase) in PHASES.iter().enumerate() {
         for (g, (label, _)) in SIZES.iter().enumerate() {
             let total: u64 = by_size[p][g].iter().map(|x| x.1).sum();
             let demand: u64 = by_size[p][g].iter().map(|x| x.0).sum();

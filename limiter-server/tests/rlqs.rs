@@ -357,3 +357,51 @@ async fn an_idle_bucket_is_abandoned_and_a_draining_node_ends_its_streams_abando
     assert_eq!(status.code(), tonic::Code::Unavailable, "{status:?}");
     stopping.await.unwrap();
 }
+
+/// Reports `usage(bucket, allowed, denied)` on `tx` every 200 ms until aborted.
+fn report_every_200ms(
+    tx: &mpsc::UnboundedSender<rlqs::RateLimitQuotaUsageReports>,
+    bucket: &rlqs::BucketId,
+    (allowed, denied): (u64, u64),
+) -> tokio::task::JoinHandle<()> {
+    let (tx, bucket) = (tx.clone(), bucket.clone());
+    tokio::spawn(async move {
+        loop {
+            tokio::time::sleep(Duration::from_millis(200)).await;
+            if tx.send(reports("acme", vec![usage(&bucket, allowed, denied)])).is_err() {
+                return;
+            }
+        }
+    })
+}
+
+/// An Envoy's denied requests are its own to report: one that claims any demand
+/// for a bucket counts as the bucket's rate at most, so the other Envoys keep a part
+/// by their demand. Here the limit is 100 a second, an honest Envoy's demand 80 a
+/// second: its part is 100 x 80 / (80 + 100) = 44 a second however much the other
+/// claims (counted whole, a claim of 2^62 requests a report left it `DENY_ALL` in
+/// most rounds and 3.2 a second at most).
+#[tokio::test]
+async fn an_envoy_that_claims_any_demand_leaves_the_others_their_parts() {
+    let server = TestServer::start_with(POLICY, FAST).await;
+    let bucket = id(&[("route", "/api")]);
+    let mut greedy = Stream::open(&server, reports("acme", vec![usage(&bucket, 1, 0)])).await;
+    let claims = report_every_200ms(&greedy.tx, &bucket, (0, 1 << 62));
+    // The greedy stream's actions are not read here; drained so its sends go on.
+    let drain =
+        tokio::spawn(async move { while greedy.rx.message().await.is_ok_and(|m| m.is_some()) {} });
+    tokio::time::sleep(Duration::from_millis(600)).await;
+    let mut honest = Stream::open(&server, reports("acme", vec![usage(&bucket, 1, 0)])).await;
+    let reporter = report_every_200ms(&honest.tx, &bucket, (8, 8));
+    let all = collect(&mut honest, |all| all.get("route=/api").is_some_and(|v| v.len() >= 8)).await;
+    reporter.abort();
+    claims.abort();
+    drain.abort();
+    let last = all["route=/api"].iter().rev().find_map(|s| match s {
+        Seen::Tokens { per_fill, fill_secs, .. } => Some(f64::from(*per_fill) / *fill_secs as f64),
+        _ => None,
+    });
+    // Within a tenth of its part (a held rate moves only when a tenth off).
+    assert!(last.is_some_and(|r| r >= 40.0), "{last:?} a second: {all:?}");
+    server.stop().await;
+}

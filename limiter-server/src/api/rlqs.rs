@@ -2119,13 +2119,34 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let (s, _, _sent) = stream(&dir);
         let ask = rate_ask;
-        let big = s.owner.lease("rlqs:test:big", &[ask(8, 99_000)]).await.unwrap();
+        // Demands within the chain's rate (10 a second): beyond it, a demand counts
+        // as the rate.
+        let big = s.owner.lease("rlqs:test:big", &[ask(8, 9_900)]).await.unwrap();
         assert_eq!(big[0].units, 8);
         assert_eq!(left(&s).await, 2);
         // A hundredth of the demand: its part over 30 s is 3 units.
-        let small = s.owner.lease("rlqs:test:small", &[ask(3, 1_000)]).await.unwrap();
+        let small = s.owner.lease("rlqs:test:small", &[ask(3, 100)]).await.unwrap();
         assert_eq!((small[0].units, small[0].rate_part), (2, 3));
         assert_eq!(left(&s).await, 0);
+    }
+
+    /// An Envoy's denied requests are its own to report: a claim of any demand counts
+    /// for the chain's rate at most, so one Envoy cannot take the others' parts by
+    /// reporting it. Here 10 a second, an honest holder's demand 5 a second: its
+    /// part is 10 x 5 / (5 + 10) a second whatever the other claims (bounded only
+    /// by what the other asked, it was a thousandth of a unit a second).
+    #[tokio::test]
+    async fn a_claimed_demand_counts_for_the_chains_rate_at_most() {
+        let dir = tempfile::tempdir().unwrap();
+        let (s, _, _sent) = stream(&dir);
+        let greedy = pb::LeaseItem { demand_per_sec: u64::MAX, ..rate_ask(10_000, u64::MAX) };
+        let g = s.owner.lease("rlqs:test:greedy", std::slice::from_ref(&greedy)).await.unwrap();
+        // Alone, it is given the chain's rate.
+        assert_eq!(g[0].rate_part_milli, 10_000);
+        let honest = s.owner.lease("rlqs:test:honest", &[rate_ask(3, 5_000)]).await.unwrap();
+        assert_eq!(honest[0].rate_part_milli, 3_334);
+        let g = s.owner.lease("rlqs:test:greedy", &[greedy]).await.unwrap();
+        assert_eq!(g[0].rate_part_milli, 6_667);
     }
 
     /// A new bucket (asked for after the round's keeps) is paid only from what the

@@ -100,6 +100,20 @@ fn chain_rate(chain: &Chain<'_>, now: Nanos) -> Option<f64> {
     per_sec.is_finite().then_some(per_sec)
 }
 
+/// The most a rate holder's reported demand counts for a chain of `per_sec` units a
+/// second ([`chain_rate`]), in thousandths of a unit a second: the chain's rate.
+/// Beyond it the holder could spend the whole rate alone, so more says nothing of
+/// what it needs; and an Envoy's denied requests are its own to report, so a claim
+/// of any demand would otherwise take nearly every other holder's part (its ask
+/// follows its part, and [`book`]'s bound per unit asked grows with it). Capped,
+/// one such claim among holders whose demand is `d` times the rate takes at most
+/// `1 / (1 + d)` of it.
+fn demand_counted(per_sec: f64) -> u64 {
+    #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
+    let milli = (per_sec * book::DEMAND_SCALE as f64).ceil().max(1.0) as u64;
+    milli
+}
+
 /// `x` rounded up to whole units (at least one; saturating).
 fn whole_units(x: f64) -> u64 {
     #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
@@ -387,6 +401,7 @@ impl Owner {
         if let Some(b) = back {
             self.leases().returned(cid, holder, b.units, now);
         }
+        let per_sec = if rates { chain_rate(&chain, now) } else { None };
         let shares = match slice_of {
             Some(_) => Shares::default(),
             None => {
@@ -396,6 +411,7 @@ impl Owner {
                     0 => item.demand_per_sec.saturating_mul(book::DEMAND_SCALE),
                     milli => milli,
                 };
+                let demand = per_sec.map_or(demand, |r| demand.min(demand_counted(r)));
                 let active_for = active_for(item, ask.hold, rates);
                 let asked = (ask.cap().max(ask.cost), demand);
                 let mut s = self.leases().shares(cid, holder, asked, active_for, now);
@@ -412,7 +428,6 @@ impl Owner {
         // this node holds whole, and kept only while the holders' demand is above
         // the chain's rate (see `rate_part`; below it, no lease book update is
         // spent on it).
-        let per_sec = if rates { chain_rate(&chain, now) } else { None };
         let stock_kept = rates
             && slices.is_empty()
             && self.store().limiter().is_some()

@@ -143,6 +143,20 @@ async fn collect(
     all
 }
 
+/// Reports `usages` on `s`'s stream every 200 ms (Envoy's reporting interval here)
+/// until aborted.
+fn report_every_200ms(s: &Stream, usages: Vec<BucketQuotaUsage>) -> tokio::task::JoinHandle<()> {
+    let tx = s.tx.clone();
+    tokio::spawn(async move {
+        loop {
+            tokio::time::sleep(Duration::from_millis(200)).await;
+            if tx.send(reports("acme", usages.clone())).is_err() {
+                return;
+            }
+        }
+    })
+}
+
 #[tokio::test]
 async fn a_first_report_subscribes_and_its_bucket_is_a_token_bucket_envoy_can_build() {
     let server = TestServer::start_with(POLICY, FAST).await;
@@ -160,18 +174,7 @@ async fn a_first_report_subscribes_and_its_bucket_is_a_token_bucket_envoy_can_bu
     assert!(ttl_secs >= 1, "a TTL under a second expires at once in Envoy");
     // Envoy reports every interval; at 80 a second the rate follows the demand, and
     // the same bucket is re-sent each round to extend its TTL.
-    let reporter = {
-        let tx = s.tx.clone();
-        let bucket = bucket.clone();
-        tokio::spawn(async move {
-            loop {
-                tokio::time::sleep(Duration::from_millis(200)).await;
-                if tx.send(reports("acme", vec![usage(&bucket, 16, 0)])).is_err() {
-                    return;
-                }
-            }
-        })
-    };
+    let reporter = report_every_200ms(&s, vec![usage(&bucket, 16, 0)]);
     let all =
         collect(&mut s, |all| all.get("route=/api,user=u1").is_some_and(|v| v.len() >= 12)).await;
     reporter.abort();
@@ -319,18 +322,7 @@ async fn an_idle_bucket_is_abandoned_and_a_draining_node_ends_its_streams_abando
     let busy = id(&[("route", "/api"), ("user", "busy")]);
     let mut s =
         Stream::open(&server, reports("acme", vec![usage(&idle, 1, 0), usage(&busy, 1, 0)])).await;
-    let reporter = {
-        let (tx, idle, busy) = (s.tx.clone(), idle.clone(), busy.clone());
-        tokio::spawn(async move {
-            loop {
-                tokio::time::sleep(Duration::from_millis(200)).await;
-                let r = reports("acme", vec![usage(&idle, 0, 0), usage(&busy, 3, 1)]);
-                if tx.send(r).is_err() {
-                    return;
-                }
-            }
-        })
-    };
+    let reporter = report_every_200ms(&s, vec![usage(&idle, 0, 0), usage(&busy, 3, 1)]);
     // No requests for `rlqs.idle_ms` (1 s): abandoned; the busy one is not.
     let all = collect(&mut s, |all| {
         all.get("route=/api,user=idle").is_some_and(|v| v.contains(&Seen::Abandon))
@@ -358,23 +350,6 @@ async fn an_idle_bucket_is_abandoned_and_a_draining_node_ends_its_streams_abando
     stopping.await.unwrap();
 }
 
-/// Reports `usage(bucket, allowed, denied)` on `tx` every 200 ms until aborted.
-fn report_every_200ms(
-    tx: &mpsc::UnboundedSender<rlqs::RateLimitQuotaUsageReports>,
-    bucket: &rlqs::BucketId,
-    (allowed, denied): (u64, u64),
-) -> tokio::task::JoinHandle<()> {
-    let (tx, bucket) = (tx.clone(), bucket.clone());
-    tokio::spawn(async move {
-        loop {
-            tokio::time::sleep(Duration::from_millis(200)).await;
-            if tx.send(reports("acme", vec![usage(&bucket, allowed, denied)])).is_err() {
-                return;
-            }
-        }
-    })
-}
-
 /// An Envoy's denied requests are its own to report: one that claims any demand
 /// for a bucket counts as the bucket's rate at most, so the other Envoys keep a part
 /// by their demand. Here the limit is 100 a second, an honest Envoy's demand 80 a
@@ -386,13 +361,13 @@ async fn an_envoy_that_claims_any_demand_leaves_the_others_their_parts() {
     let server = TestServer::start_with(POLICY, FAST).await;
     let bucket = id(&[("route", "/api")]);
     let mut greedy = Stream::open(&server, reports("acme", vec![usage(&bucket, 1, 0)])).await;
-    let claims = report_every_200ms(&greedy.tx, &bucket, (0, 1 << 62));
+    let claims = report_every_200ms(&greedy, vec![usage(&bucket, 0, 1 << 62)]);
     // The greedy stream's actions are not read here; drained so its sends go on.
     let drain =
         tokio::spawn(async move { while greedy.rx.message().await.is_ok_and(|m| m.is_some()) {} });
     tokio::time::sleep(Duration::from_millis(600)).await;
     let mut honest = Stream::open(&server, reports("acme", vec![usage(&bucket, 1, 0)])).await;
-    let reporter = report_every_200ms(&honest.tx, &bucket, (8, 8));
+    let reporter = report_every_200ms(&honest, vec![usage(&bucket, 8, 8)]);
     let all = collect(&mut honest, |all| all.get("route=/api").is_some_and(|v| v.len() >= 8)).await;
     reporter.abort();
     claims.abort();

@@ -351,11 +351,11 @@ async fn an_idle_bucket_is_abandoned_and_a_draining_node_ends_its_streams_abando
 }
 
 /// An Envoy's denied requests are its own to report: one that claims any demand
-/// for a bucket counts as the bucket's rate at most, so the other Envoys keep a part
-/// by their demand. Here the limit is 100 a second, an honest Envoy's demand 80 a
-/// second: its part is 100 x 80 / (80 + 100) = 44 a second however much the other
-/// claims (counted whole, a claim of 2^62 requests a report left it `DENY_ALL` in
-/// most rounds and 3.2 a second at most).
+/// for a bucket counts as twice the bucket's rate at most, so the other Envoys keep
+/// a part by their demand. Here the limit is 100 a second, an honest Envoy's demand
+/// 80 a second: its part is 100 x 80 / (80 + 200) = 28.6 a second however much the
+/// other claims (counted whole, a claim of 2^62 requests a report left it `DENY_ALL`
+/// in most rounds and 3.2 a second at most).
 #[tokio::test]
 async fn an_envoy_that_claims_any_demand_leaves_the_others_their_parts() {
     let server = TestServer::start_with(POLICY, FAST).await;
@@ -377,6 +377,6 @@ async fn an_envoy_that_claims_any_demand_leaves_the_others_their_parts() {
         _ => None,
     });
     // Within a tenth of its part (a held rate moves only when a tenth off).
-    assert!(last.is_some_and(|r| r >= 40.0), "{last:?} a second: {all:?}");
+    assert!(last.is_some_and(|r| r >= 25.7), "{last:?} a second: {all:?}");
     server.stop().await;
 }

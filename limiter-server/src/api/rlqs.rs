@@ -2119,8 +2119,8 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let (s, _, _sent) = stream(&dir);
         let ask = rate_ask;
-        // Demands within the chain's rate (10 a second): beyond it, a demand counts
-        // as the rate.
+        // Demands within the chain's rate (10 a second): beyond twice it, a demand
+        // counts as twice the rate.
         let big = s.owner.lease("rlqs:test:big", &[ask(8, 9_900)]).await.unwrap();
         assert_eq!(big[0].units, 8);
         assert_eq!(left(&s).await, 2);
@@ -2131,12 +2131,13 @@ mod tests {
     }
 
     /// An Envoy's denied requests are its own to report: a claim of any demand counts
-    /// for the chain's rate at most, so one Envoy cannot take the others' parts by
-    /// reporting it. Here 10 a second, an honest holder's demand 5 a second: its
-    /// part is 10 x 5 / (5 + 10) a second whatever the other claims (bounded only
-    /// by what the other asked, it was a thousandth of a unit a second).
+    /// for twice the chain's rate at most, so one Envoy cannot take the others' parts
+    /// by reporting it. Here 10 a second, an honest holder's demand 5 a second: its
+    /// part is 10 x 5 / (5 + 20) a second whatever the other claims (bounded only by
+    /// what the other asked, it was a thousandth of a unit a second). A demand of
+    /// 15 a second counts whole.
     #[tokio::test]
-    async fn a_claimed_demand_counts_for_the_chains_rate_at_most() {
+    async fn a_claimed_demand_counts_for_twice_the_chains_rate_at_most() {
         let dir = tempfile::tempdir().unwrap();
         let (s, _, _sent) = stream(&dir);
         let greedy = pb::LeaseItem { demand_per_sec: u64::MAX, ..rate_ask(10_000, u64::MAX) };
@@ -2144,9 +2145,12 @@ mod tests {
         // Alone, it is given the chain's rate.
         assert_eq!(g[0].rate_part_milli, 10_000);
         let honest = s.owner.lease("rlqs:test:honest", &[rate_ask(3, 5_000)]).await.unwrap();
-        assert_eq!(honest[0].rate_part_milli, 3_334);
+        assert_eq!(honest[0].rate_part_milli, 2_000);
         let g = s.owner.lease("rlqs:test:greedy", &[greedy]).await.unwrap();
-        assert_eq!(g[0].rate_part_milli, 6_667);
+        assert_eq!(g[0].rate_part_milli, 8_000);
+        // Within twice the rate, a demand counts whole: 15 against 5.
+        let g = s.owner.lease("rlqs:test:greedy", &[rate_ask(3, 15_000)]).await.unwrap();
+        assert_eq!(g[0].rate_part_milli, 7_500);
     }
 
     /// A new bucket (asked for after the round's keeps) is paid only from what the

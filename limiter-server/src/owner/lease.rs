@@ -100,17 +100,26 @@ fn chain_rate(chain: &Chain<'_>, now: Nanos) -> Option<f64> {
     per_sec.is_finite().then_some(per_sec)
 }
 
+/// How many times its chain's rate a rate holder's reported demand counts for at
+/// most ([`demand_counted`]).
+///
+/// Parts follow demand, and an Envoy's denied requests are its own to report: a
+/// claim of any demand took nearly every other holder's part (its ask follows its
+/// part, and [`book`]'s bound per unit asked grows with it). Capped, one claim among
+/// holders whose demand is `d` times the rate takes at most `2 / (2 + d)` of it.
+/// Twice the rate, not the rate itself: any one holder's demand in a fleet offered
+/// up to twice the limit counts whole, so the parts stay proportional to demand
+/// there (two Envoys at 3:1 of twice the limit keep 75% and 25%; capped at the rate,
+/// 67% and 33%).
+const DEMAND_RATES_COUNTED: f64 = 2.0;
+
 /// The most a rate holder's reported demand counts for a chain of `per_sec` units a
-/// second ([`chain_rate`]), in thousandths of a unit a second: the chain's rate.
-/// Beyond it the holder could spend the whole rate alone, so more says nothing of
-/// what it needs; and an Envoy's denied requests are its own to report, so a claim
-/// of any demand would otherwise take nearly every other holder's part (its ask
-/// follows its part, and [`book`]'s bound per unit asked grows with it). Capped,
-/// one such claim among holders whose demand is `d` times the rate takes at most
-/// `1 / (1 + d)` of it.
+/// second ([`chain_rate`]), in thousandths of a unit a second
+/// ([`DEMAND_RATES_COUNTED`]).
 fn demand_counted(per_sec: f64) -> u64 {
+    let most = per_sec * DEMAND_RATES_COUNTED * book::DEMAND_SCALE as f64;
     #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
-    let milli = (per_sec * book::DEMAND_SCALE as f64).ceil().max(1.0) as u64;
+    let milli = most.ceil().max(1.0) as u64;
     milli
 }
 

@@ -92,6 +92,18 @@ enum Seen {
     Other(String),
 }
 
+impl Seen {
+    /// A token bucket's rate, units a second.
+    fn rate(&self) -> Option<f64> {
+        match self {
+            Self::Tokens { per_fill, fill_secs, .. } => {
+                Some(f64::from(*per_fill) / *fill_secs as f64)
+            }
+            _ => None,
+        }
+    }
+}
+
 fn seen(a: &BucketAction) -> Seen {
     match &a.bucket_action {
         Some(Action::AbandonAction(_)) => Seen::Abandon,
@@ -179,15 +191,7 @@ async fn a_first_report_subscribes_and_its_bucket_is_a_token_bucket_envoy_can_bu
         collect(&mut s, |all| all.get("route=/api,user=u1").is_some_and(|v| v.len() >= 12)).await;
     reporter.abort();
     let seen = &all["route=/api,user=u1"];
-    let rates: Vec<f64> = seen
-        .iter()
-        .filter_map(|s| match s {
-            Seen::Tokens { per_fill, fill_secs, .. } => {
-                Some(f64::from(*per_fill) / *fill_secs as f64)
-            }
-            _ => None,
-        })
-        .collect();
+    let rates: Vec<f64> = seen.iter().filter_map(Seen::rate).collect();
     assert_eq!(rates.len(), seen.len(), "token buckets only: {seen:?}");
     let last = *rates.last().unwrap();
     // Demand 80 a second, asked for with headroom, within the limit of 100.
@@ -372,10 +376,7 @@ async fn an_envoy_that_claims_any_demand_leaves_the_others_their_parts() {
     reporter.abort();
     claims.abort();
     drain.abort();
-    let last = all["route=/api"].iter().rev().find_map(|s| match s {
-        Seen::Tokens { per_fill, fill_secs, .. } => Some(f64::from(*per_fill) / *fill_secs as f64),
-        _ => None,
-    });
+    let last = all["route=/api"].iter().rev().find_map(Seen::rate);
     // Within a tenth of its part (a held rate moves only when a tenth off).
     assert!(last.is_some_and(|r| r >= 25.7), "{last:?} a second: {all:?}");
     server.stop().await;

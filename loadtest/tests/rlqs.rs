@@ -269,11 +269,11 @@ async fn fleet(weight: fn(usize, bool) -> f64, envoys_are: Envoys) {
     let transition = 4 * REPORTING;
     let steady = start + (SWING_AT + transition).as_nanos() as u64;
     let mut by_bucket = vec![(0u64, 0u64); BUCKETS];
-    let mut admitted = [[0u64; 2]; ENVOYS];
+    // Each Envoy's (offered, admitted), before the swing and after it.
+    let mut by_envoy = [[(0u64, 0u64); ENVOYS]; 2];
     // Before the swing and after it, by the size of the bucket: (offered, admitted)
     // per Envoy.
     let mut by_size = [[[(0u64, 0u64); ENVOYS]; SIZES.len()]; 2];
-    let mut offered = [[0u64; 2]; ENVOYS];
     // Shares are judged from two reporting intervals after the swing.
     let settled = start + (SWING_AT + 2 * REPORTING).as_nanos() as u64;
     let swing = start + SWING_AT.as_nanos() as u64;
@@ -301,10 +301,8 @@ async fn fleet(weight: fn(usize, bool) -> f64, envoys_are: Envoys) {
             _ => None,
         };
         if let Some(p) = phase {
-            offered[e][p] += 1;
-            admitted[e][p] += u64::from(ok);
-        }
-        if let Some(p) = phase {
+            by_envoy[p][e].0 += 1;
+            by_envoy[p][e].1 += u64::from(ok);
             let g = SIZES.iter().position(|(_, r)| r.contains(&b)).unwrap();
             by_size[p][g][e].0 += 1;
             by_size[p][g][e].1 += u64::from(ok);
@@ -373,32 +371,19 @@ async fn fleet(weight: fn(usize, bool) -> f64, envoys_are: Envoys) {
         );
     }
     let mut off_by = [0.0f64; 2];
-    for p in 0..2 {
-        let total: u64 = admitted.iter().map(|a| a[p]).sum();
-        let demand: u64 = offered.iter().map(|a| a[p]).sum();
-        let mut line = String::new();
-        for e in 0..ENVOYS {
-            let share = admitted[e][p] as f64 / total as f64;
-            let want = offered[e][p] as f64 / demand as f64;
-            let d = share / want - 1.0;
-            off_by[p] = off_by[p].max(d.abs());
-            let _ = write!(line, " {:+.1}%", d * 100.0);
-        }
-        let phase = PHASES[p];
-        let _ = writeln!(report, "each Envoy's share against its demand share, {phase}:{line}");
+    let percents = |offs: &[f64]| -> String {
+        offs.iter().map(|d| format!("{:+.1}%", d * 100.0)).collect::<Vec<_>>().join(" ")
+    };
+    for (p, phase) in PHASES.iter().enumerate() {
+        let offs = shares_off(&by_envoy[p]);
+        off_by[p] = offs.iter().fold(0.0, |m, d| m.max(d.abs()));
+        let line = percents(&offs);
+        let _ = writeln!(report, "each Envoy's share against its demand share, {phase}: {line}");
     }
     for (p, phase) in PHASES.iter().enumerate() {
         for (g, (label, _)) in SIZES.iter().enumerate() {
-            let total: u64 = by_size[p][g].iter().map(|x| x.1).sum();
-            let demand: u64 = by_size[p][g].iter().map(|x| x.0).sum();
-            let line: Vec<String> = by_size[p][g]
-                .iter()
-                .map(|&(o, a)| {
-                    let d = (a as f64 / total as f64) / (o as f64 / demand as f64) - 1.0;
-                    format!("{:+.1}%", d * 100.0)
-                })
-                .collect();
-            let _ = writeln!(report, "  {phase}, in the {label}: {}", line.join(" "));
+            let line = percents(&shares_off(&by_size[p][g]));
+            let _ = writeln!(report, "  {phase}, in the {label}: {line}");
         }
     }
     let _ = writeln!(
@@ -415,7 +400,8 @@ async fn fleet(weight: fn(usize, bool) -> f64, envoys_are: Envoys) {
     // And the fleet is served at all (every Envoy admits under its assignments),
     // its use and shares no worse than this design has shown (floors against
     // regressions; the targets over the run, 95% and 10%, are reported above).
-    for (e, a) in admitted.iter().enumerate() {
+    for (e, (before, after)) in by_envoy[0].iter().zip(&by_envoy[1]).enumerate() {
+        let a = [before.1, after.1];
         assert!(a[0] > 0 && a[1] > 0, "Envoy {e} admitted nothing in a phase\n{report}");
     }
     assert!(used >= USE_FLOOR, "use below {USE_FLOOR}\n{report}");
@@ -432,6 +418,17 @@ async fn fleet(weight: fn(usize, bool) -> f64, envoys_are: Envoys) {
         off_by.iter().all(|&o| o <= SHARE_BOUND),
         "a share more than {SHARE_BOUND} off its demand share\n{report}"
     );
+}
+
+/// Each Envoy's admitted share against its offered share, less one, from its
+/// (offered, admitted) counts.
+fn shares_off(counts: &[(u64, u64)]) -> Vec<f64> {
+    let offered: u64 = counts.iter().map(|c| c.0).sum();
+    let admitted: u64 = counts.iter().map(|c| c.1).sum();
+    counts
+        .iter()
+        .map(|&(o, a)| (a as f64 / admitted as f64) / (o as f64 / offered as f64) - 1.0)
+        .collect()
 }
 
 /// The least use (admitted of what the reference admits) the fleet tests accept

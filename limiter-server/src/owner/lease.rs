@@ -100,20 +100,23 @@ fn chain_rate(chain: &Chain<'_>, now: Nanos) -> Option<f64> {
     per_sec.is_finite().then_some(per_sec)
 }
 
-/// How many times its chain's rate a rate holder's reported demand counts for at
-/// most ([`demand_counted`]).
+/// How many times its chain's rate a holder's reported demand counts for at most
+/// ([`demand_counted`]).
 ///
-/// Parts follow demand, and an Envoy's denied requests are its own to report: a
-/// claim of any demand took nearly every other holder's part (its ask follows its
-/// part, and [`book`]'s bound per unit asked grows with it). Capped, one claim among
-/// holders whose demand is `d` times the rate takes at most `2 / (2 + d)` of it.
+/// Parts follow demand, and a holder's denied requests are its own to report: an
+/// Envoy's claim of any demand took nearly every other holder's part (its ask
+/// follows its part, and [`book`]'s bound per unit asked grows with it); an agent's,
+/// up to 20 a second per unit asked, took all but a few hundredths of what was left
+/// from an honest agent beside it wherever the route's batch is large. Capped, one
+/// claim among holders whose demand is `d` times the rate takes at most `2 / (2 + d)`
+/// of it.
 /// Twice the rate, not the rate itself: any one holder's demand in a fleet offered
 /// up to twice the limit counts whole, so the parts stay proportional to demand
 /// there (two Envoys at 3:1 of twice the limit keep 75% and 25%; capped at the rate,
 /// 67% and 33%).
 const DEMAND_RATES_COUNTED: f64 = 2.0;
 
-/// The most a rate holder's reported demand counts for a chain of `per_sec` units a
+/// The most a holder's reported demand counts for a chain of `per_sec` units a
 /// second ([`chain_rate`]), in thousandths of a unit a second
 /// ([`DEMAND_RATES_COUNTED`]).
 fn demand_counted(per_sec: f64) -> u64 {
@@ -410,7 +413,8 @@ impl Owner {
         if let Some(b) = back {
             self.leases().returned(cid, holder, b.units, now);
         }
-        let per_sec = if rates { chain_rate(&chain, now) } else { None };
+        let chain_per_sec = chain_rate(&chain, now);
+        let per_sec = if rates { chain_per_sec } else { None };
         let shares = match slice_of {
             Some(_) => Shares::default(),
             None => {
@@ -420,7 +424,7 @@ impl Owner {
                     0 => item.demand_per_sec.saturating_mul(book::DEMAND_SCALE),
                     milli => milli,
                 };
-                let demand = per_sec.map_or(demand, |r| demand.min(demand_counted(r)));
+                let demand = chain_per_sec.map_or(demand, |r| demand.min(demand_counted(r)));
                 let active_for = active_for(item, ask.hold, rates);
                 let asked = (ask.cap().max(ask.cost), demand);
                 let mut s = self.leases().shares(cid, holder, asked, active_for, now);

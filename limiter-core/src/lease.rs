@@ -236,6 +236,37 @@ pub struct Shares {
     pub whole: bool,
 }
 
+impl Shares {
+    /// The others' asks as a divider that weighs by asks must see them for a holder
+    /// asking `mine` to be given its part by demand: where every holder's demand is
+    /// known, `mine x (all - my demand) / my demand` (rounded to the nearest unit),
+    /// so that `mine / (mine + others)` is its part of the demand; else what the
+    /// others asked. (The Redis store's `lua/chain.lua` divides by the asks: given
+    /// the others' asks as they are, a holder asking a whole batch took nearly all
+    /// of what was left beside one asking for its demand, whatever the demands.)
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use limiter_core::lease::Shares;
+    /// // Asking 16 at a demand of 80 a second, of 280 in all: the others weigh 40.
+    /// let s = Shares { active: 2, others: 1_000, dice: 0, demand: (80, 280), whole: false };
+    /// assert_eq!(s.others_by_demand(16), 40);
+    /// let unknown = Shares { demand: (0, 0), ..s };
+    /// assert_eq!(unknown.others_by_demand(16), 1_000);
+    /// ```
+    pub fn others_by_demand(&self, mine: u64) -> u64 {
+        match self.demand {
+            (d, all) if d > 0 && all >= d => {
+                let others = u128::from(mine) * u128::from(all - d);
+                let scaled = (others + u128::from(d) / 2) / u128::from(d);
+                u64::try_from(scaled).unwrap_or(u64::MAX)
+            }
+            _ => self.others,
+        }
+    }
+}
+
 /// The share of what is left one grant may take, for a holder asking `mine` (its cap,
 /// [`Ask::cap`]): everything asked while what is left covers every active holder's
 /// ask, else a part in proportion to what each asked (Doorman's proportional share),
@@ -243,7 +274,8 @@ pub struct Shares {
 /// budget can be stranded by one grant. Where every active holder reported its
 /// demand ([`Shares::demand`]), the part follows the demands instead of the asks.
 /// The Redis store's `lease` script (`lua/chain.lua`) applies the same rule with the
-/// asks (it is not given the demands).
+/// asks, given the others' asks weighed by demand ([`Shares::others_by_demand`]):
+/// the same part where what is left is short of them.
 ///
 /// # Examples
 ///

@@ -511,57 +511,15 @@ async fn finding_1_a_handoff_from_a_node_not_in_the_cluster_is_refused() {
     assert_eq!(cluster.receive(&req("b"), Some(&limiter), &leases, &policy), Ok(1));
 }
 
-/// 100 a second, leased in batches of up to 1,000.
-const BATCHED: &str = r"
-version: 1
-lease: { mode: leased, ttl: 2s, max_batch: 1000 }
-tenants:
-  acme:
-    routes:
-      /api: { algorithm: token_bucket, rate: 100/s, burst: 100 }
-";
-
 /// An agent's reported demand is its own: one claiming any demand beside an honest
-/// agent of 80 a second, on a route of 100 a second with batches of 1,000, counts
-/// for twice the rate at most, so the honest agent keeps its share. Every 100 ms the
-/// claimer asks first (1,000 units) and the honest agent next (two rounds of its
-/// demand): its part is 100 x 80 / (80 + 200) = 28.6 a second, 57 units in 2 s
-/// (measured: 54 and 55). Counted whole (20 a second per unit asked), the claim left
-/// it 0 or 1 unit in 2 s.
+/// agent of 80 a second ([`common::claim_beside_an_honest_agent`]) counts for twice
+/// the rate at most, so the honest agent keeps its share: its part is 100 x 80 / (80
+/// + 200) = 28.6 a second, 57 units in 2 s (measured: 54 and 55). Counted whole (20 a
+/// second per unit asked), the claim left it 0 or 1 unit in 2 s.
 #[tokio::test]
 async fn an_agent_that_claims_any_demand_leaves_the_others_their_share() {
-    let s = TestServer::start(BATCHED).await;
-    let c = s.native().await;
-    let lease = |agent: &'static str, lease_id: u64, want: u64, demand_per_sec: u64| {
-        let mut c = c.clone();
-        async move {
-            let item = pb::LeaseItem {
-                tenant: "acme".into(),
-                route: "/api".into(),
-                lease_id,
-                want,
-                demand_per_sec,
-                ..Default::default()
-            };
-            let req = pb::LeaseRequest { agent_id: agent.into(), items: vec![item], epoch: 0 };
-            let g = c.lease(req).await.unwrap().into_inner().grants.remove(0);
-            assert_eq!(g.mode(), pb::LeaseMode::Leased, "{g:?}");
-            (g.lease_id, g.units)
-        }
-    };
-    const ROUNDS: u64 = 30;
-    // The honest agent's units in the last two seconds (the burst spent in the first).
-    let (mut claimer, mut honest, mut got) = (0, 0, 0);
-    let mut tick = tokio::time::interval(Duration::from_millis(100));
-    for round in 0..ROUNDS {
-        tick.tick().await;
-        (claimer, _) = lease("claimer", claimer, 1_000, u64::MAX / 1_000_000).await;
-        let units;
-        (honest, units) = lease("honest", honest, 16, 80).await;
-        if round >= ROUNDS - 20 {
-            got += units;
-        }
-    }
+    let s = TestServer::start(common::BATCHED).await;
+    let got = common::claim_beside_an_honest_agent(&s).await;
     // Four fifths of its part at least.
     assert!(got >= 45, "the honest agent got {got} units in the last 2 s");
     s.stop().await;

@@ -211,3 +211,50 @@ where
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }
+
+/// 100 a second, leased in batches of up to 1,000.
+pub(crate) const BATCHED: &str = r"
+version: 1
+lease: { mode: leased, ttl: 2s, max_batch: 1000 }
+tenants:
+  acme:
+    routes:
+      /api: { algorithm: token_bucket, rate: 100/s, burst: 100 }
+";
+
+/// On a server of [`BATCHED`], every 100 ms for 3 s an agent claiming any demand asks
+/// first (1,000 units) and an honest agent of 80 a second next (two rounds of its
+/// demand): the units the honest agent is granted in the last 2 s.
+pub(crate) async fn claim_beside_an_honest_agent(s: &TestServer) -> u64 {
+    let c = s.native().await;
+    let lease = |agent: &'static str, lease_id: u64, want: u64, demand_per_sec: u64| {
+        let mut c = c.clone();
+        async move {
+            let item = pb::LeaseItem {
+                tenant: "acme".into(),
+                route: "/api".into(),
+                lease_id,
+                want,
+                demand_per_sec,
+                ..Default::default()
+            };
+            let req = pb::LeaseRequest { agent_id: agent.into(), items: vec![item], epoch: 0 };
+            let g = c.lease(req).await.unwrap().into_inner().grants.remove(0);
+            assert_eq!(g.mode(), pb::LeaseMode::Leased, "{g:?}");
+            (g.lease_id, g.units)
+        }
+    };
+    const ROUNDS: u64 = 30;
+    let (mut claimer, mut honest, mut got) = (0, 0, 0);
+    let mut tick = tokio::time::interval(Duration::from_millis(100));
+    for round in 0..ROUNDS {
+        tick.tick().await;
+        (claimer, _) = lease("claimer", claimer, 1_000, u64::MAX / 1_000_000).await;
+        let units;
+        (honest, units) = lease("honest", honest, 16, 80).await;
+        if round >= ROUNDS - 20 {
+            got += units;
+        }
+    }
+    got
+}

@@ -332,7 +332,8 @@ impl RedisStore {
             us(back.granted_at),
             us(back.hold),
             renewal.shares.active,
-            renewal.shares.others,
+            // The script divides by the asks: the others' weighed by demand.
+            renewal.shares.others_by_demand(ask.cap()),
             renewal.shares.dice >> 32,
             ask.least,
         ];

@@ -243,7 +243,10 @@ impl Shares {
     /// so that `mine / (mine + others)` is its part of the demand; else what the
     /// others asked. (The Redis store's `lua/chain.lua` divides by the asks: given
     /// the others' asks as they are, a holder asking a whole batch took nearly all
-    /// of what was left beside one asking for its demand, whatever the demands.)
+    /// of what was left beside one asking for its demand, whatever the demands.
+    /// Where what is left covers its ask and these, the script grants the whole
+    /// ask, within half of what is left: a holder asking less than its part of the
+    /// demand gets it sooner than [`share`] would give it, one asking more later.)
     ///
     /// # Examples
     ///

@@ -149,6 +149,17 @@ const BUYS_SPREAD: Duration = Duration::from_millis(10);
 /// square-root scale: a swing of half the demand is then taken within two reports
 /// rather than smoothed over many.
 const SHIFT_EVIDENCE: f64 = 3.0;
+/// How many measures a new bucket's demand is the mean of everything counted since
+/// its subscription, rather than smoothed ([`Bucket::measure`]): about two seconds
+/// at Envoy's usual reporting interval.
+const WARM_MEASURES: u32 = 4;
+/// The requests a new bucket's first measures start from in place of the one that
+/// subscribed it ([`WARM_MEASURES`]): the span they are counted over starts at that
+/// request, so counted whole it is a request too many (a bucket of one request
+/// every 2.3 s read 2.5 a second from its first half-second report), and left out,
+/// a slow bucket reads nothing for seconds. Half a request is the posterior mean
+/// of a Poisson rate under Jeffreys' prior, `(n + 1/2) / t`.
+const WARM_PRIOR: f64 = 0.5;
 /// The fewest requests (counted, or expected by the estimate) that make the measure
 /// after a swing a measure to take whole: fewer are a few requests' noise (at half a
 /// second's report, a part of 0.4 a second counts none four times in five), and a
@@ -495,6 +506,17 @@ fn units_over(rate: f64, span: Nanos) -> u64 {
     whole((rate * span as f64 / NANOS_PER_SEC as f64).ceil())
 }
 
+/// A new bucket's first measures ([`Bucket::warm`]) where its first report counted
+/// `requests`: one is the request that subscribed it ([`WARM_PRIOR`]); more come from
+/// an Envoy that had the bucket before this stream, and its demand starts from them.
+fn warm_start(requests: u64) -> (f64, f64, u32) {
+    match requests {
+        0 => (0.0, 0.0, 0),
+        1 => (WARM_PRIOR, 0.0, 0),
+        _ => (0.0, 0.0, WARM_MEASURES),
+    }
+}
+
 /// One subscribed bucket of a stream.
 #[derive(Debug)]
 struct Bucket {
@@ -545,6 +567,10 @@ struct Bucket {
     /// What it holds is its route's failure policy, sent while the owner could not
     /// be reached: not paid for, so a bucket replacing it carries nothing paid.
     fallback: bool,
+    /// Its first measures ([`WARM_MEASURES`]): the requests counted since its
+    /// subscription (from [`WARM_PRIOR`]), the seconds since, and how many measures
+    /// were taken; the last is [`WARM_MEASURES`] once it is measured as usual.
+    warm: (f64, f64, u32),
 }
 
 impl Bucket {
@@ -589,6 +615,24 @@ impl Bucket {
             stream_swung = true;
             self.last = (0, 0.0, 0.0);
         }
+        // A new bucket's first measures: all it counted since its subscription over
+        // the time since, until one swings from that mean (or its stream swings).
+        // Smoothed from nothing instead, a bucket of four or five requests a report
+        // started at a quarter of its demand and took seconds to reach it (a part of
+        // the chain's rate by demand a fifth short, in the fleet test, until the
+        // swing), and a first measure alone is a few requests' noise.
+        let (sum, span, n) = self.warm;
+        if n < WARM_MEASURES {
+            let own_swing = span > 0.0 && swings(self.counted as f64, self.demand * secs);
+            if !stream_swung && !own_swing {
+                self.warm = (sum + self.counted as f64, span + secs, n + 1);
+                self.demand = self.warm.0 / self.warm.1;
+                self.counted = 0;
+                self.since = upto;
+                return;
+            }
+            self.warm.2 = WARM_MEASURES;
+        }
         let latest = self.counted as f64 / secs;
         // A swing (a count more than three standard deviations of Poisson arrivals
         // off the estimate, on Anscombe's square-root scale, `2 sqrt(x + 3/8)`, where
@@ -611,7 +655,7 @@ impl Bucket {
             && off(both, was_demand * (was_secs + secs)).abs() > SHIFT_EVIDENCE;
         let before = self.demand;
         let take_whole = after_swing && (self.counted as f64).max(expected) >= WHOLE_MEASURE;
-        self.demand = if (self.sent.is_none() && self.demand == 0.0) || swing || take_whole {
+        self.demand = if swing || take_whole {
             latest
         } else if shift {
             // Both measures, over both spans.
@@ -1304,7 +1348,7 @@ impl Session {
             tenant,
             route,
             key,
-            counted: if requests > 1 { 0 } else { requests },
+            counted: 0,
             since: now,
             reported: now,
             // A bucket an Envoy reports with traffic at once (it had it before this
@@ -1329,6 +1373,7 @@ impl Session {
             last: (0, 0.0, 0.0),
             settling: false,
             fallback: false,
+            warm: warm_start(requests),
         })
     }
 
@@ -1675,6 +1720,7 @@ mod tests {
             last: (0, 0.0, 0.0),
             settling: false,
             fallback: false,
+            warm: (0.0, 0.0, WARM_MEASURES),
         }
     }
 
@@ -1690,6 +1736,35 @@ mod tests {
         let mut b = bucket(demand);
         report(&mut b, counted, NANOS_PER_SEC / 2);
         b.demand
+    }
+
+    /// A new bucket subscribed by one request at 0, then reporting `counts`, one
+    /// report every half second.
+    fn subscribed(counts: &[u64]) -> Bucket {
+        let mut b = Bucket { warm: warm_start(1), ..bucket(0.0) };
+        for (i, &c) in (1..).zip(counts) {
+            report(&mut b, c, i * NANOS_PER_SEC / 2);
+        }
+        b
+    }
+
+    #[test]
+    fn a_new_buckets_demand_is_what_it_counted_since_its_subscription() {
+        let close = |b: Bucket, x: f64| assert!((b.demand - x).abs() < 1e-9, "{} != {x}", b.demand);
+        // Nine a second after the subscribing request: (4 + 1/2) / 0.5 s at once, not
+        // a quarter of it.
+        close(subscribed(&[4]), 9.0);
+        close(subscribed(&[4, 5, 4, 5]), 18.5 / 2.0);
+        // One request every 2.5 s: its subscribing request is not a rate of 2 a
+        // second, and nothing since is not none.
+        close(subscribed(&[0]), 1.0);
+        close(subscribed(&[0, 0, 1, 0]), 1.5 / 2.0);
+        // Smoothed as usual after four measures, from their mean.
+        close(subscribed(&[4, 5, 4, 5, 5]), 0.25 * 10.0 + 0.75 * 9.25);
+        // A swing from the mean ends them: taken at once.
+        close(subscribed(&[4, 5, 40]), 80.0);
+        // A bucket an Envoy had before this stream starts from its traffic.
+        assert_eq!(warm_start(30).2, WARM_MEASURES);
     }
 
     #[test]

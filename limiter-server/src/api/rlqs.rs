@@ -1765,6 +1765,8 @@ mod tests {
         close(subscribed(&[4, 5, 40]), 80.0);
         // A bucket an Envoy had before this stream starts from its traffic.
         assert_eq!(warm_start(30).2, WARM_MEASURES);
+        // Counts are the Envoy's to choose: the mean stays finite.
+        assert!(subscribed(&[u64::MAX, u64::MAX, u64::MAX]).demand.is_finite());
     }
 
     #[test]

@@ -918,9 +918,9 @@ impl Bucket {
     /// a random part of that worth before it buys. Given at once, each such bucket
     /// was a gift of its whole worth, and every bucket of an Envoy whose demand fell
     /// came down in the same round: its share leaned over in the same seconds in all
-    /// of its slow buckets (the faller of the fleet test, Envoys 1.33+, +27% in the
-    /// twenty smallest on average). Drawn, the gift is half on average and falls at
-    /// different times in different buckets.
+    /// of its slow buckets (the faller of the fleet test, Envoys 1.33+, +24% and +27%
+    /// in the twenty smallest on average, in two sets of rounds). Drawn, the gift is
+    /// half on average and falls at different times in different buckets.
     fn slow_come_down(&mut self, sent: Sent, used: u64, fair: f64, now: Nanos) -> (Sent, u64) {
         match (self.sent, sent) {
             (Some(held @ Sent::Tokens { .. }), Sent::Tokens { max_tokens, .. })

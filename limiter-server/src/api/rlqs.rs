@@ -475,15 +475,26 @@ fn swings(counted: f64, expected: f64) -> bool {
 /// Envoy's traffic moved elsewhere is about two standard deviations of a report of
 /// 300 requests, and smoothed, each bucket took seconds to follow it. The factor is
 /// the latest measure's, against the estimates it would update.
+///
+/// Either way the whole stream must show it: its buckets split in two, those that
+/// expect half of its requests (the largest) and the rest, each half nearer the
+/// swung estimates than the old ones ([`moves_as_a_whole`]). A burst in the slow
+/// buckets alone (a client calling many routes at once) is no swing of the stream:
+/// an Envoy of the fleet test whose slow buckets each counted one request in the
+/// same report (their arrivals had fallen into step) read as a stream 1.8 times its
+/// demand while its large buckets counted what they expected, and every bucket of
+/// it changed twice.
 fn stream_swing<'a>(buckets: impl Iterator<Item = &'a Bucket>) -> Option<f64> {
     // This measure against the estimates; and, over the buckets whose measure before
     // was plain, both measures against the estimates before them.
     let mut now = (0.0, 0.0);
     let mut both = (0.0, 0.0);
     let mut before = 0.0;
+    let mut each = Vec::new();
     for b in buckets.filter(|b| b.sent.is_some()) {
         let Some((c, e)) = b.pending().filter(|&(c, e)| !swings(c, e)) else { continue };
         now = (now.0 + c, now.1 + e);
+        each.push((c, e));
         let (was_counted, was_secs, was_demand) = b.last;
         if was_secs > 0.0 {
             both.0 += was_counted as f64 + c;
@@ -498,7 +509,21 @@ fn stream_swing<'a>(buckets: impl Iterator<Item = &'a Bucket>) -> Option<f64> {
     // Finite only: counts are the Envoy's to choose.
     (expected > 0.0 && (swings(counted, expected) || shift))
         .then(|| counted / expected)
-        .filter(|r| r.is_finite())
+        .filter(|&r| r.is_finite() && moves_as_a_whole(&mut each, r))
+}
+
+/// Whether the buckets' (counted, expected) moved by the factor `r` as a whole: the
+/// largest, expecting half of the requests together, and the rest, each nearer
+/// (on Anscombe's scale) to their estimates times `r` than to their estimates.
+fn moves_as_a_whole(each: &mut [(f64, f64)], r: f64) -> bool {
+    each.sort_by(|a, b| b.1.total_cmp(&a.1));
+    let half = each.iter().map(|x| x.1).sum::<f64>() / 2.0;
+    let (mut large, mut rest) = ((0.0, 0.0), (0.0, 0.0));
+    for &(c, e) in each.iter() {
+        let h = if large.1 < half { &mut large } else { &mut rest };
+        *h = (h.0 + c, h.1 + e);
+    }
+    [large, rest].iter().filter(|h| h.1 > 0.0).all(|&(c, e)| off(c, e * r).abs() < off(c, e).abs())
 }
 
 /// Units to pay for `rate` over `span` nanoseconds, rounded up.
@@ -2206,6 +2231,28 @@ mod tests {
             b.last = (9, 0.5, 15.0);
         }
         assert_eq!(stream_swing(buckets.iter()), None);
+        // A burst in the slow buckets alone: three large buckets (16, 7.5 and 4.5 a
+        // second) count what they expect in a half-second report, thirty slow ones
+        // (0.6 a second) a request each. Together 44 where 23 were expected, a swing
+        // by the sum; but the largest, which expect half of the requests, did not
+        // move.
+        let stream_of = |large: [u64; 3], slow: &dyn Fn(usize) -> u64| {
+            let mut v: Vec<Bucket> =
+                [16.0, 7.5, 4.5].into_iter().chain([0.6; 30]).map(bucket).collect();
+            for (i, b) in v.iter_mut().enumerate() {
+                b.reported = NANOS_PER_SEC / 2;
+                b.counted = if i < 3 { large[i] } else { slow(i) };
+            }
+            v
+        };
+        let burst = stream_of([8, 4, 2], &|_| 1);
+        assert!(swings(44.0, 23.0));
+        assert_eq!(stream_swing(burst.iter()), None, "the large buckets did not move");
+        // The same stream 1.8 times busier in every bucket (three slow ones in five
+        // count a request) swung as a whole.
+        let busier = stream_of([14, 7, 4], &|i| [1, 0, 1, 1, 0][i % 5]);
+        let r = stream_swing(busier.iter()).expect("the whole stream swung");
+        assert!((r - 43.0 / 23.0).abs() < 1e-9, "{r}");
         // A report just after the subscription is no rate: counted on.
         let mut b = bucket(0.0);
         b.sent = None;

@@ -2,7 +2,8 @@
 //! (`loadtest::rlqs`) against a server in this process, on one clock.
 //!
 //! Ten Envoys share 30 buckets (one route each, token buckets of Zipf-skewed
-//! limits), each bucket offered twice its limit, split among the Envoys 1:2:...:10;
+//! limits), each bucket offered twice its limit, split among the Envoys 1:2:...:10
+//! (each Envoy's requests to a bucket evenly spaced, from a seeded phase of their own);
 //! half way through, the split is reversed (10:9:...:1). A second fleet moves half
 //! of its demand (five Envoys at three parts each and five at one, then the other
 //! way round). The reversed fleet runs again with Envoys 1.33 and later (a
@@ -38,6 +39,9 @@ const RUN: Duration = Duration::from_secs(16);
 const SWING_AT: Duration = Duration::from_secs(8);
 const WARM_UP: Duration = Duration::from_secs(2);
 const REPORTING: Duration = Duration::from_millis(500);
+/// Seeds each (bucket, Envoy) stream's phase: where in its first interval its
+/// arrivals start.
+const PHASE_SEED: u64 = 1;
 /// How much earlier than an Envoy received an assignment the server may have paid
 /// for it (its round's grant, then the send): generous for loopback.
 const DELIVERY: Nanos = 200_000_000;
@@ -221,8 +225,13 @@ async fn fleet(weight: fn(usize, bool) -> f64, envoys_are: Envoys) {
     let ids: Vec<_> = (0..BUCKETS).map(|b| bucket_id(&[("route", &format!("/b{b}"))])).collect();
     let all = |swung: bool| (0..ENVOYS).map(|e| weight(e, swung)).sum::<f64>();
 
-    // Open loop: every millisecond each (bucket, Envoy) stream offers what it owes.
-    let mut owed = vec![0.0f64; BUCKETS * ENVOYS];
+    // Open loop: every millisecond each (bucket, Envoy) stream offers what it owes,
+    // from a phase of its own (seeded). Started together at 0, the streams of whole
+    // limits and weights fell into step: every slow bucket of the Envoy whose demand
+    // fell tenfold offered its first request after the swing in the same
+    // millisecond, 2.5 s after it, which no fleet of independent clients does.
+    let mut phases = loadtest::workload::Rng::new(PHASE_SEED);
+    let mut owed: Vec<f64> = (0..BUCKETS * ENVOYS).map(|_| phases.unit()).collect();
     let mut arrivals: Vec<Arrival> = Vec::new();
     let start = clock.now();
     let mut last = start;

@@ -195,10 +195,7 @@ impl RlqsService {
         config: RlqsConfig,
         stop: CancellationToken,
     ) -> Self {
-        let node = std::hash::BuildHasher::hash_one(
-            &std::collections::hash_map::RandomState::new(),
-            owner.clock().now(),
-        );
+        let node = draw(owner.clock().now());
         Self {
             owner,
             mapping: Arc::new(mapping),
@@ -524,6 +521,12 @@ fn moves_as_a_whole(each: &mut [(f64, f64)], r: f64) -> bool {
         *h = (h.0 + c, h.1 + e);
     }
     [large, rest].iter().filter(|h| h.1 > 0.0).all(|&(c, e)| off(c, e * r).abs() < off(c, e).abs())
+}
+
+/// 64 random bits, drawn by hashing `key` with a freshly seeded hasher (the node's
+/// id, a stream's place among a round's buys, a slow come-down's wait).
+fn draw(key: impl std::hash::Hash) -> u64 {
+    std::hash::BuildHasher::hash_one(&std::collections::hash_map::RandomState::new(), key)
 }
 
 /// Units to pay for `rate` over `span` nanoseconds, rounded up.
@@ -954,11 +957,7 @@ impl Bucket {
                     && f64::from(max_tokens) > fair * CHANGE_PAYS_WITHIN.1 =>
             {
                 let worth = (f64::from(max_tokens) / fair).min(f64::from(MAX_FILL_SECS));
-                let draw = std::hash::BuildHasher::hash_one(
-                    &std::collections::hash_map::RandomState::new(),
-                    (now, &self.route),
-                );
-                let part = (draw >> 11) as f64 / (1u64 << 53) as f64;
+                let part = (draw((now, &self.route)) >> 11) as f64 / (1u64 << 53) as f64;
                 let wait = whole(part * worth * NANOS_PER_SEC as f64).max(1);
                 self.wait_until = now.saturating_add(wait);
                 (Sent::Deny, 0)
@@ -1529,11 +1528,8 @@ impl Session {
                 // `BUYS_SPREAD` a round, so that no stream's come last every round (a
                 // trace: one stream's new bucket granted nothing for 19 rounds in a
                 // row, the others' buys having taken what was left each time).
-                let draw = std::hash::BuildHasher::hash_one(
-                    &std::collections::hash_map::RandomState::new(),
-                    (m.now, &self.holder),
-                );
-                let spread = Duration::from_nanos(draw % nanos(BUYS_SPREAD).max(1));
+                let spread =
+                    Duration::from_nanos(draw((m.now, &self.holder)) % nanos(BUYS_SPREAD).max(1));
                 let after = (BUYS_AFTER + spread).min(self.config.slack / 4);
                 tokio::time::sleep(after).await;
             }

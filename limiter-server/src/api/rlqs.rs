@@ -600,7 +600,7 @@ struct Bucket {
     /// were taken; the last is [`WARM_MEASURES`] once it is measured as usual.
     warm: (f64, f64, u32),
     /// Where it came down to `DENY_ALL` from a bucket and waits before buying a
-    /// slow one ([`Bucket::settle`]): from when it may buy (0: once it owes
+    /// slow one ([`Bucket::slow_come_down`]): from when it may buy (0: once it owes
     /// nothing).
     wait_until: Nanos,
 }

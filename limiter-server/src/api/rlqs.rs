@@ -526,6 +526,12 @@ fn moves_as_a_whole(each: &mut [(f64, f64)], r: f64) -> bool {
     [large, rest].iter().filter(|h| h.1 > 0.0).all(|&(c, e)| off(c, e * r).abs() < off(c, e).abs())
 }
 
+/// The most a bucket whose part is `fair` (units a second) may owe: a new bucket's
+/// worth at that rate, or [`OWES_SECS`] of it, the smaller (see [`Bucket::earn`]).
+fn most_owed(fair: f64, burst: f64) -> f64 {
+    (capacity(fair, burst) as f64).min(fair * OWES_SECS)
+}
+
 /// 64 random bits, drawn by hashing `key` with a freshly seeded hasher (the node's
 /// id, a stream's place among a round's buys, a slow come-down's wait).
 fn draw(key: impl std::hash::Hash) -> u64 {
@@ -736,8 +742,9 @@ impl Bucket {
             let secs = now.saturating_sub(self.credited_at) as f64 / NANOS_PER_SEC as f64;
             let cap = capacity(fair, burst) as f64;
             let ahead = self.prepaid(now);
-            let owes = cap.min(fair * OWES_SECS);
-            self.credit = (self.credit + ahead + fair * secs).clamp(-owes, cap + 1.0) - ahead;
+            self.credit = (self.credit + ahead + fair * secs)
+                .clamp(-most_owed(fair, burst), cap + 1.0)
+                - ahead;
         }
         self.credited_at = now;
     }
@@ -757,12 +764,10 @@ impl Bucket {
     /// new one.
     fn owes_in_full(&self, now: Nanos, burst: f64, fair: f64) -> bool {
         let Some(held @ Sent::Tokens { .. }) = self.sent else { return false };
-        let cap = capacity(fair, burst);
-        if !fair.is_finite() || held.rate() <= fair || cap <= MIN_CAPACITY {
+        if !fair.is_finite() || held.rate() <= fair || capacity(fair, burst) <= MIN_CAPACITY {
             return false;
         }
-        let owes = (cap as f64).min(fair * OWES_SECS);
-        self.standing(now) <= 0.5 - owes
+        self.standing(now) <= 0.5 - most_owed(fair, burst)
     }
 
     /// Whether it may buy `s` as a new bucket at `now`, rounds `round` seconds apart

@@ -2079,25 +2079,26 @@ mod tests {
     #[test]
     fn a_paid_bucket_comes_down_to_its_part_and_goes_up_where_it_pays() {
         let held = Sent::Tokens { max_tokens: 2, tokens: 10, fill_secs: 1 };
+        let cost = |r: f64| capacity(r, 0.1);
         let smaller = Sent::Tokens { max_tokens: 2, tokens: 7, fill_secs: 1 };
         // Its part 8 a second: over by a quarter, down where something smaller
         // was bought, else held; to nothing where it is over half again its part, or its
         // part holds no bucket (under a token a minute).
-        assert!(!keeps(held, smaller, 8.0, false, |r| capacity(r, 0.1)));
-        assert!(keeps(held, Sent::Deny, 8.0, false, |r| capacity(r, 0.1)));
-        assert!(!keeps(held, Sent::Deny, 6.6, false, |r| capacity(r, 0.1)));
-        assert!(!keeps(held, Sent::Deny, 0.01, false, |r| capacity(r, 0.1)));
+        assert!(!keeps(held, smaller, 8.0, false, cost));
+        assert!(keeps(held, Sent::Deny, 8.0, false, cost));
+        assert!(!keeps(held, Sent::Deny, 6.6, false, cost));
+        assert!(!keeps(held, Sent::Deny, 0.01, false, cost));
         // Down only to a bucket nearer its part than 10 a second, unless it is over
         // half again its part: 4 a second, where its part is 8, is held a round.
         let far = Sent::Tokens { max_tokens: 2, tokens: 4, fill_secs: 1 };
-        assert!(keeps(held, far, 8.0, false, |r| capacity(r, 0.1)));
-        assert!(!keeps(held, far, 6.0, false, |r| capacity(r, 0.1)));
+        assert!(keeps(held, far, 8.0, false, cost));
+        assert!(!keeps(held, far, 6.0, false, cost));
         assert!(!keeps(
             held,
             Sent::Tokens { max_tokens: 2, tokens: 1, fill_secs: 1 },
             6.0,
             false,
-            |r| { capacity(r, 0.1) }
+            cost
         ));
         // Within a tenth either way: held.
         assert!(keeps(
@@ -2105,16 +2106,16 @@ mod tests {
             Sent::Tokens { max_tokens: 2, tokens: 11, fill_secs: 1 },
             10.0,
             false,
-            |r| { capacity(r, 0.1) }
+            cost
         ));
-        assert!(keeps(held, Sent::Deny, 9.5, false, |r| capacity(r, 0.1)));
+        assert!(keeps(held, Sent::Deny, 9.5, false, cost));
         // A fifth more, and it pays within 2 s: changed.
         assert!(!keeps(
             held,
             Sent::Tokens { max_tokens: 2, tokens: 12, fill_secs: 1 },
             12.0,
             false,
-            |r| capacity(r, 0.1)
+            cost
         ));
     }
 

@@ -2080,6 +2080,8 @@ mod tests {
     fn a_paid_bucket_comes_down_to_its_part_and_goes_up_where_it_pays() {
         let held = Sent::Tokens { max_tokens: 2, tokens: 10, fill_secs: 1 };
         let cost = |r: f64| capacity(r, 0.1);
+        // A bucket of 2 tokens at `t` a second.
+        let two = |t| Sent::Tokens { max_tokens: 2, tokens: t, fill_secs: 1 };
         let smaller = Sent::Tokens { max_tokens: 2, tokens: 7, fill_secs: 1 };
         // Its part 8 a second: over by a quarter, down where something smaller
         // was bought, else held; to nothing where it is over half again its part, or its
@@ -2093,30 +2095,12 @@ mod tests {
         let far = Sent::Tokens { max_tokens: 2, tokens: 4, fill_secs: 1 };
         assert!(keeps(held, far, 8.0, false, cost));
         assert!(!keeps(held, far, 6.0, false, cost));
-        assert!(!keeps(
-            held,
-            Sent::Tokens { max_tokens: 2, tokens: 1, fill_secs: 1 },
-            6.0,
-            false,
-            cost
-        ));
+        assert!(!keeps(held, two(1), 6.0, false, cost));
         // Within a tenth either way: held.
-        assert!(keeps(
-            held,
-            Sent::Tokens { max_tokens: 2, tokens: 11, fill_secs: 1 },
-            10.0,
-            false,
-            cost
-        ));
+        assert!(keeps(held, two(11), 10.0, false, cost));
         assert!(keeps(held, Sent::Deny, 9.5, false, cost));
         // A fifth more, and it pays within 2 s: changed.
-        assert!(!keeps(
-            held,
-            Sent::Tokens { max_tokens: 2, tokens: 12, fill_secs: 1 },
-            12.0,
-            false,
-            cost
-        ));
+        assert!(!keeps(held, two(12), 12.0, false, cost));
     }
 
     #[test]

@@ -110,6 +110,16 @@ const COME_DOWN_WHOLE: f64 = 1.5;
 /// than the difference is worth. Seconds, for a rate that goes up (the Envoy's own
 /// loss while it waits) and for one that comes down (the others' loss: sooner).
 const CHANGE_PAYS_WITHIN: (f64, f64) = (2.0, 4.0);
+/// A come-down whose new bucket is worth more than this many rounds of its part
+/// goes by `DENY_ALL` and a drawn wait ([`Bucket::slow_come_down`]): Envoy starts
+/// the new bucket full, a gift of its `max_tokens` at once, and the wait costs the
+/// Envoy a round or so at nothing where it draws the least, so it pays where the
+/// gift is worth several. (At the four seconds a come-down must pay for itself
+/// within, [`CHANGE_PAYS_WITHIN`], parts of 0.5 to 2 a second came down at once: the
+/// reversed fleet's faller, whose estimate in the report that straddled the swing
+/// read over its new demand, came down so in a third of its twenty smallest buckets
+/// and leaned 23% over its share there.)
+const COME_DOWN_GIFT_ROUNDS: f64 = 4.0;
 /// A bucket whose part rose may buy its new bucket from what the new rate will earn
 /// over the held one in this many rounds (see [`Bucket::may_buy_capacity`]).
 const BUY_AHEAD_ROUNDS: f64 = 2.0;
@@ -941,7 +951,7 @@ impl Bucket {
             }
             _ => (changed, used),
         };
-        let (sent, used) = self.slow_come_down(sent, used, fair, m.now);
+        let (sent, used) = self.slow_come_down(sent, used, fair, m.now, m.round);
         tally.paid += used;
         self.credit -= used as f64;
         self.lease = (g.lease_id, units - used);
@@ -979,22 +989,29 @@ impl Bucket {
     }
 
     /// What it holds next where `sent` (bought with `used` units) replaces what it
-    /// holds, for a part of `fair` units a second at `now`. A bucket coming down to a
-    /// slow one, whose `max_tokens` (Envoy starts it full) are worth more of its part
-    /// than a change must pay for within ([`CHANGE_PAYS_WITHIN`], going down: 2
-    /// tokens are ten seconds of 0.2 a second), is sent `DENY_ALL` instead and waits
-    /// a random part of that worth before it buys. Given at once, each such bucket
+    /// holds, for a part of `fair` units a second at `now`, rounds `round` seconds
+    /// apart. A bucket coming down to one whose `max_tokens` (Envoy starts it full)
+    /// are worth more than [`COME_DOWN_GIFT_ROUNDS`] of its part (2 tokens are ten
+    /// seconds of 0.2 a second, two of 1 a second) is sent `DENY_ALL` instead and
+    /// waits a random part of that worth before it buys. Given at once, each such bucket
     /// was a gift of its whole worth, and every bucket of an Envoy whose demand fell
     /// came down in the same round: its share leaned over in the same seconds in all
     /// of its slow buckets (the faller of the fleet test, Envoys 1.33+, +24% and +27%
     /// in the twenty smallest on average, in two sets of rounds). Drawn, the gift is
     /// half on average and falls at different times in different buckets.
-    fn slow_come_down(&mut self, sent: Sent, used: u64, fair: f64, now: Nanos) -> (Sent, u64) {
+    fn slow_come_down(
+        &mut self,
+        sent: Sent,
+        used: u64,
+        fair: f64,
+        now: Nanos,
+        round: f64,
+    ) -> (Sent, u64) {
         match (self.sent, sent) {
             (Some(held @ Sent::Tokens { .. }), Sent::Tokens { max_tokens, .. })
                 if sent.rate() < held.rate()
                     && fair > 0.0
-                    && f64::from(max_tokens) > fair * CHANGE_PAYS_WITHIN.1 =>
+                    && f64::from(max_tokens) > fair * round * COME_DOWN_GIFT_ROUNDS =>
             {
                 let worth = (f64::from(max_tokens) / fair).min(f64::from(MAX_FILL_SECS));
                 let part = (draw((now, &self.route)) >> 11) as f64 / (1u64 << 53) as f64;
@@ -2181,7 +2198,12 @@ mod tests {
         // Drawn: not the same wait for every bucket.
         waits.sort_unstable();
         assert!(waits[0] < waits[19], "{waits:?}");
-        // Down to 3 a second, whose bucket is under a second of it: at once.
+        // Down to 1 a second, whose bucket (2 tokens) is eight rounds of it: the same.
+        let mut b = bucket(4.0);
+        b.settle(Some(grant(10, 1_000)), Some(3), &m, &mut Tally::default());
+        assert_eq!(b.sent, Some(Sent::Deny));
+        assert!(b.wait_until > now && b.wait_until <= now + 2 * NANOS_PER_SEC);
+        // Down to 3 a second, whose bucket is under three rounds of it: at once.
         let mut b = bucket(4.0);
         b.settle(Some(grant(10, 3_000)), Some(3), &m, &mut Tally::default());
         assert!(

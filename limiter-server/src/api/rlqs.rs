@@ -993,12 +993,13 @@ impl Bucket {
     /// apart. A bucket coming down to one whose `max_tokens` (Envoy starts it full)
     /// are worth more than [`COME_DOWN_GIFT_ROUNDS`] of its part (2 tokens are ten
     /// seconds of 0.2 a second, two of 1 a second) is sent `DENY_ALL` instead and
-    /// waits a random part of that worth before it buys. Given at once, each such bucket
-    /// was a gift of its whole worth, and every bucket of an Envoy whose demand fell
-    /// came down in the same round: its share leaned over in the same seconds in all
-    /// of its slow buckets (the faller of the fleet test, Envoys 1.33+, +24% and +27%
-    /// in the twenty smallest on average, in two sets of rounds). Drawn, the gift is
-    /// half on average and falls at different times in different buckets.
+    /// waits a random part of that worth before it buys. Given at once, each such
+    /// bucket was a gift of its whole worth, and every bucket of an Envoy whose
+    /// demand fell came down in the same round: its share leaned over in the same
+    /// seconds in all of its slow buckets (the faller of the fleet test, Envoys
+    /// 1.33+, +24% and +27% in the twenty smallest on average, in two sets of
+    /// rounds). Drawn, the gift is half on average and falls at different times in
+    /// different buckets.
     fn slow_come_down(
         &mut self,
         sent: Sent,

@@ -108,7 +108,8 @@ const COME_DOWN_WHOLE: f64 = 1.5;
 /// `max_tokens` (what the change costs at once). A slow part's rate moves with the
 /// noise of a few requests; changing it each time would spend more on new buckets
 /// than the difference is worth. Seconds, for a rate that goes up (the Envoy's own
-/// loss while it waits) and for one that comes down (the others' loss: sooner).
+/// loss while it waits) and for one that comes down (the others' loss: sooner). A
+/// come-down where the demand swung need not pay soon ([`Bucket::settle`]).
 const CHANGE_PAYS_WITHIN: (f64, f64) = (2.0, 4.0);
 /// A come-down whose new bucket is worth more than this many rounds of its part
 /// goes by `DENY_ALL` and a drawn wait ([`Bucket::slow_come_down`]): Envoy starts
@@ -385,7 +386,8 @@ fn buy_ask(cap: u64, rate: f64, span: Nanos) -> u64 {
 /// only where the held rate is over twice the part, so over half again.) Where it
 /// owes all its standing may owe (`owed`, [`Bucket::owes_in_full`]), it comes down
 /// to a bucket nearer its part however little it is over.
-/// `cost`: what a new bucket of a rate costs at once ([`Bucket::change_cost`]).
+/// `cost`: what a change to a rate must pay for soon: what a new bucket of that rate
+/// costs at once ([`Bucket::change_cost`]), or nothing (see [`Bucket::settle`]).
 fn keeps(held: Sent, changed: Sent, fair: f64, owed: bool, cost: impl Fn(f64) -> u64) -> bool {
     let to_nothing = tokens_for(fair).is_none() || held.rate() > fair * COME_DOWN_WHOLE;
     let nearer = (changed.rate() - fair).abs() < held.rate() - fair;
@@ -927,7 +929,7 @@ impl Bucket {
             (0, units) => units as f64 / m.period,
             (milli, _) => milli as f64 / 1_000.0,
         };
-        self.swung = false;
+        let swung = std::mem::take(&mut self.swung);
         let fair = self.target().min(self.part);
         let (changed, used) = match self.choose(units, m.now, m.horizon, m.burst, fair, m.carry) {
             (s, _) if self.sent != Some(s) && !self.may_buy(s, m.now, m.round, m.carry) => {
@@ -935,7 +937,17 @@ impl Bucket {
             }
             c => c,
         };
-        let cost = |r: f64| self.change_cost(r, m.burst, m.now, m.carry);
+        // Where its demand swung this round, a come-down need not pay for its new
+        // bucket soon ([`CHANGE_PAYS_WITHIN`]): the held rate was bought for a demand
+        // that is gone, not moved by a few requests' noise, and the difference lasts.
+        // (Held to that test, a bucket of the fleet test whose part fell from 1.55 to
+        // 0.55 a second at a swing kept 1 a second to the end, admitting all of its
+        // demand, about twice its share there: 0.45 a second over 4 s does not pay
+        // for 2 tokens.)
+        let held_rate = self.sent.map_or(0.0, Sent::rate);
+        let cost = |r: f64| {
+            if swung && r < held_rate { 0 } else { self.change_cost(r, m.burst, m.now, m.carry) }
+        };
         let (sent, used) = match (self.sent, keep_need) {
             (Some(held), Some(need))
                 if units >= need
@@ -2213,6 +2225,38 @@ mod tests {
             b.sent
         );
         assert_eq!(b.wait_until, 0);
+    }
+
+    #[test]
+    fn a_rate_held_over_its_part_after_a_swing_comes_down_though_it_pays_late() {
+        let now = 10 * NANOS_PER_SEC;
+        let m = Moment {
+            now,
+            round: 0.25,
+            horizon: now + 600_000_000,
+            ttl: Duration::from_secs(2),
+            burst: 0.1,
+            period_nanos: 700_000_000,
+            period: 0.7,
+            carry: None,
+        };
+        let grant =
+            pb::LeaseGrant { lease_id: 1, units: 1, rate_part_milli: 550, ..Default::default() };
+        let one = Sent::Tokens { max_tokens: 2, tokens: 1, fill_secs: 1 };
+        // Holds 1 a second, its part now 0.55: 0.45 a second over 4 s does not pay
+        // for a new bucket's 2 tokens, so the noise of a few requests keeps it...
+        let mut b = bucket(1.0);
+        b.sent = Some(one);
+        b.settle(Some(grant.clone()), Some(1), &m, &mut Tally::default());
+        assert_eq!(b.sent, Some(one));
+        // ...but where its demand swung, it comes down (here to `DENY_ALL`: the unit
+        // granted buys no bucket).
+        let mut b = bucket(1.0);
+        b.sent = Some(one);
+        b.swung = true;
+        b.settle(Some(grant), Some(1), &m, &mut Tally::default());
+        assert_eq!(b.sent, Some(Sent::Deny));
+        assert!(!b.swung);
     }
 
     #[test]

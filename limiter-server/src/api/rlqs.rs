@@ -1863,6 +1863,21 @@ mod tests {
         }
     }
 
+    /// A round at `now` (rounds 0.25 s apart, `max_tokens` 0.1 s of a rate) paying
+    /// 0.6 s ahead, where Envoys start a new bucket full.
+    fn moment(now: Nanos) -> Moment {
+        Moment {
+            now,
+            round: 0.25,
+            horizon: now + 600_000_000,
+            ttl: Duration::from_secs(2),
+            burst: 0.1,
+            period_nanos: 700_000_000,
+            period: 0.7,
+            carry: None,
+        }
+    }
+
     /// `b` reports `counted` requests at `at`, and its demand is measured.
     fn report(b: &mut Bucket, counted: u64, at: Nanos) {
         b.counted = counted;
@@ -2178,16 +2193,7 @@ mod tests {
     #[test]
     fn a_slow_come_down_waits_a_random_part_of_its_buckets_worth() {
         let now = 10 * NANOS_PER_SEC;
-        let m = Moment {
-            now,
-            round: 0.25,
-            horizon: now + 600_000_000,
-            ttl: Duration::from_secs(2),
-            burst: 0.1,
-            period_nanos: 700_000_000,
-            period: 0.7,
-            carry: None,
-        };
+        let m = moment(now);
         let grant = |units, milli| pb::LeaseGrant {
             lease_id: 1,
             units,
@@ -2230,16 +2236,7 @@ mod tests {
     #[test]
     fn a_rate_held_over_its_part_after_a_swing_comes_down_though_it_pays_late() {
         let now = 10 * NANOS_PER_SEC;
-        let m = Moment {
-            now,
-            round: 0.25,
-            horizon: now + 600_000_000,
-            ttl: Duration::from_secs(2),
-            burst: 0.1,
-            period_nanos: 700_000_000,
-            period: 0.7,
-            carry: None,
-        };
+        let m = moment(now);
         let grant =
             pb::LeaseGrant { lease_id: 1, units: 1, rate_part_milli: 550, ..Default::default() };
         let one = Sent::Tokens { max_tokens: 2, tokens: 1, fill_secs: 1 };

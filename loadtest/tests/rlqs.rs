@@ -458,15 +458,14 @@ const USE_FLOOR: f64 = 0.9;
 const STEADY_USE: f64 = 0.95;
 
 /// The most an Envoy's admitted share may be off its demand share (either phase)
-/// in the fleet tests: above what they measure (at most 17.1% in 30 runs on
-/// 2026-12-06's thirteenth session's code, within 10% in 23; on the same code, at
-/// most 22.3% in 108 runs of the fourteenth, within 10% in 80, and 21.7% in 75 of
-/// the fifteenth, within 10% in 61; 18.3% on earlier code; on 2026-12-06's
-/// sixteenth session's code, at most 16.0% in 24 runs, within 10% in 21), below
-/// what dividing without demand would give (an even split leaves the Envoy of ten
-/// parts 40% short, the Envoy of one part twice its share) or what a smallest
-/// bucket of one token gave (22-65%).
-const SHARE_BOUND: f64 = 0.3;
+/// in the fleet tests (the target, 10%, is reported): above what they measure on
+/// 2026-12-07's twenty-third and twenty-fourth sessions' code (at most 11.9% in 255
+/// runs, within 10% in 248), below what earlier code gave (16.0% in 24 runs of the
+/// sixteenth session's, 22.3% in 108 of the fourteenth's), what dividing without
+/// demand would give (an even split leaves the Envoy of ten parts 40% short, the
+/// Envoy of one part twice its share) or what a smallest bucket of one token gave
+/// (22-65%).
+const SHARE_BOUND: f64 = 0.2;
 
 /// One Envoy's stream of 10,000 buckets, against a server process: every bucket is
 /// assigned within the stream's cap (the default, 10,000), and the server's memory

@@ -459,8 +459,8 @@ const STEADY_USE: f64 = 0.95;
 
 /// The most an Envoy's admitted share may be off its demand share (either phase)
 /// in the fleet tests (the target, 10%, is reported): above what they measure on
-/// 2026-12-07's twenty-third and twenty-fourth sessions' code (at most 11.9% in 255
-/// runs, within 10% in 248), below what earlier code gave (16.0% in 24 runs of the
+/// 2026-12-07's twenty-third and twenty-fourth sessions' code (at most 11.9% in 273
+/// runs, within 10% in 266), below what earlier code gave (16.0% in 24 runs of the
 /// sixteenth session's, 22.3% in 108 of the fourteenth's), what dividing without
 /// demand would give (an even split leaves the Envoy of ten parts 40% short, the
 /// Envoy of one part twice its share) or what a smallest bucket of one token gave

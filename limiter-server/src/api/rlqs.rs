@@ -781,10 +781,10 @@ impl Bucket {
     /// new bucket for 3.7 s (a third of its share in the three largest buckets lost
     /// before the swing). Owing a bucket's worth, it has been over its part long
     /// enough to pay for the new one. (Where its part held only the smallest bucket,
-    /// it was kept over for good, parts whose come-down is no wait included: before
-    /// the swing, the carrying fleet's two smallest Envoys admitted 6% and 7% over
-    /// their shares of the largest bucket, parts of 7.8 and 15.7 a second, on
-    /// average in 23 runs; 3% and 3% in 8 runs once they came down.)
+    /// it was kept over for good, parts whose come-down is no wait included, such
+    /// as the smallest Envoys' parts of the fleet test's largest bucket, 7.8 and 15.7
+    /// a second; coming down, the fleets' shares were a little narrower: README
+    /// "Envoy RLQS".)
     fn owes_in_full(&self, now: Nanos, burst: f64, round: f64, fair: f64) -> bool {
         let Some(held @ Sent::Tokens { .. }) = self.sent else { return false };
         if !fair.is_finite()

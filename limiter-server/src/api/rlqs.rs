@@ -783,8 +783,8 @@ impl Bucket {
     /// enough to pay for the new one. (Where its part held only the smallest bucket,
     /// it was kept over for good, parts whose come-down is no wait included, such
     /// as the smallest Envoys' parts of the fleet test's largest bucket, 7.8 and 15.7
-    /// a second; coming down, the fleets' shares were a little narrower: README
-    /// "Envoy RLQS".)
+    /// a second; coming down, the fleets' shares were no wider: README "Envoy
+    /// RLQS".)
     fn owes_in_full(&self, now: Nanos, burst: f64, round: f64, fair: f64) -> bool {
         let Some(held @ Sent::Tokens { .. }) = self.sent else { return false };
         if !fair.is_finite()

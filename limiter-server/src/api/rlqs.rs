@@ -771,7 +771,7 @@ impl Bucket {
     /// Whether it holds a rate above `fair` (what it should hold) and owes all its
     /// standing may owe ([`Self::earn`], within half a unit), where its come-down
     /// buys its new bucket at once, not by [`Self::slow_come_down`]'s wait (which a
-    /// small overdraft is not worth), rounds `round` seconds apart. Its debt is then
+    /// small overdraft is not worth), at the round `m`. Its debt is then
     /// forgiven as it grows: a held rate within [`KEEP_WITHIN`] of its part, kept
     /// because a change would not pay within seconds, was kept for good, and the
     /// rates held in a level summed above its rate. The round's keeps that came last
@@ -785,15 +785,15 @@ impl Bucket {
     /// as the smallest Envoys' parts of the fleet test's largest bucket, 7.8 and 15.7
     /// a second; coming down, the fleets' shares were no wider: README "Envoy
     /// RLQS".)
-    fn owes_in_full(&self, now: Nanos, burst: f64, round: f64, fair: f64) -> bool {
+    fn owes_in_full(&self, m: &Moment, fair: f64) -> bool {
         let Some(held @ Sent::Tokens { .. }) = self.sent else { return false };
         if !fair.is_finite()
             || held.rate() <= fair
-            || comes_down_slowly(capacity(fair, burst), fair, round)
+            || comes_down_slowly(capacity(fair, m.burst), fair, m.round)
         {
             return false;
         }
-        self.standing(now) <= 0.5 - most_owed(fair, burst)
+        self.standing(m.now) <= 0.5 - most_owed(fair, m.burst)
     }
 
     /// Whether it may buy `s` as a new bucket at `now`, rounds `round` seconds apart
@@ -965,13 +965,7 @@ impl Bucket {
         let (sent, used) = match (self.sent, keep_need) {
             (Some(held), Some(need))
                 if units >= need
-                    && keeps(
-                        held,
-                        changed,
-                        fair,
-                        self.owes_in_full(m.now, m.burst, m.round, fair),
-                        cost,
-                    ) =>
+                    && keeps(held, changed, fair, self.owes_in_full(m, fair), cost) =>
             {
                 (held, need)
             }
@@ -1680,7 +1674,7 @@ impl Session {
             // that owes all it may owe asks for its new bucket however little it is
             // over ([`Bucket::owes_in_full`]).
             let fair = if b.swung { b.target() } else { b.target().min(b.part) };
-            let owed = !b.swung && b.owes_in_full(m.now, m.burst, m.round, fair);
+            let owed = !b.swung && b.owes_in_full(m, fair);
             let keeps_it = !owed
                 && b.sent.is_some_and(|s| {
                     s != Sent::Deny
@@ -2180,14 +2174,14 @@ mod tests {
             let now = i * round;
             b.credit -= 83.0 * 0.25;
             b.earn(now, 0.1);
-            if b.owes_in_full(now, 0.1, 0.25, 78.0) {
+            if b.owes_in_full(&moment(now), 78.0) {
                 owed_at.get_or_insert(i);
             }
         }
         assert_eq!(owed_at, Some(6), "{b:?}");
         assert!(!keeps(held, down, 78.0, true, cost));
         // Not where it holds under its part, nor to a bucket no nearer its part.
-        assert!(!b.owes_in_full(12 * round, 0.1, 0.25, 90.0));
+        assert!(!b.owes_in_full(&moment(12 * round), 90.0));
         assert!(keeps(
             held,
             Sent::Tokens { max_tokens: 7, tokens: 70, fill_secs: 1 },
@@ -2203,7 +2197,7 @@ mod tests {
         small.credit = -2.0;
         for (part, owed) in [(9.0, true), (2.0, true), (1.9, false), (1.0, false)] {
             small.part = part;
-            assert_eq!(small.owes_in_full(0, 0.1, 0.25, part), owed, "part {part}");
+            assert_eq!(small.owes_in_full(&moment(0), part), owed, "part {part}");
         }
     }
 

@@ -461,7 +461,7 @@ const STEADY_USE: f64 = 0.95;
 /// fleet tests (the target, 10%, is reported and judged over many runs in
 /// BENCHMARKS.md: a share is a count of whole requests, and the smallest Envoy's varies
 /// by 3-4% from run to run, one standard deviation): above what the current code
-/// measures (at most 11.5% in 216 runs of the three fleets, within 10% in 215, and
+/// measures (at most 11.5% in 231 runs of the three fleets, within 10% in 230, and
 /// within 10% in 32 of the carrying fleet alone, on 2026-12-07's twenty-fifth and
 /// twenty-sixth sessions) and what the code before it measured (at most 11.9% in 273
 /// runs, within 10% in 266), below what earlier code gave (16.0% in 24 runs of the

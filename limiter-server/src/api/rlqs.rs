@@ -38,9 +38,11 @@
 //!   sent direct, held back, cut to the route's `max_batch` or to half of what is
 //!   left (`LeaseItem::rates`), and within its part gets what is left up to the ask;
 //!   a new bucket's ask gets nothing rather than less than the smallest bucket costs
-//!   (`LeaseItem::least`). A stock the rounds leave in a level of token buckets
-//!   (held rates run below their parts within what a change is worth) is divided
-//!   into the parts too, beyond what new buckets leave for the keeps.
+//!   (`LeaseItem::least`). A stock in a level of token buckets, beyond what new
+//!   buckets leave for the keeps, is divided into what the parts may take too, but
+//!   held as rates only up to a twentieth of the level's rate (what the rounds
+//!   leave where held rates run below their parts): a full level's burst pays new
+//!   buckets and rises once, not rates that outlive it.
 //! - **Assignments** are token buckets: `tokens_per_fill` over a `fill_interval` of
 //!   whole seconds (Envoy reads no fraction of it, and a fill interval under a second
 //!   divides by zero there), `max_tokens` the rate over `rlqs.burst_ms` (at least 2),

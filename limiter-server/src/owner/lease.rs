@@ -101,7 +101,7 @@ const RATE_STOCK_SPENT: f64 = 1.0;
 /// nothing for want of units beyond the keeps, and an Envoy whose part had earned its
 /// bucket waited 4.4 s at `DENY_ALL`. Given to the grants only, the burst pays such
 /// buckets once. With no part of the stock held as rates, the lasting remainder was
-/// lost as refill (use before the swing 1.1 to 4.4 points lower by fleet, 15 runs);
+/// lost as refill (use before the swing 1.2 to 4.7 points lower by fleet, 15 runs);
 /// with a tenth, the bursts' rates came back (two share misses in 15 runs). Measured
 /// in BENCHMARKS.md ("limiter-server: Envoy RLQS", twenty-seventh session).
 const RATE_STOCK_AS_RATE: f64 = 0.05;

@@ -65,8 +65,8 @@ const RATE_PART_MIN: u64 = 3;
 /// emptied had refilled less than a round's keeps by the next round (a trace of a
 /// 12-a-second bucket: the last stream's keeps granted nothing, its Envoy sent
 /// `DENY_ALL` and buying again, every few rounds). In a small level it is at least
-/// a few units ([`kept_for_keeps`]). A stock beyond it is divided into the parts
-/// (see [`rate_part`]).
+/// a few units ([`kept_for_keeps`]). A stock beyond it is divided into what the parts
+/// may take, and into their rates in part (see [`rate_part`]).
 const RATE_STOCK_KEPT: f64 = 0.05;
 
 /// The stock a level keeps for its holders' keeps: [`RATE_STOCK_KEPT`] of its rate,
@@ -162,9 +162,9 @@ fn whole_units(x: f64) -> u64 {
 /// what is left instead would pay whoever asks first after a refill, since the
 /// holders' rounds do not line up.
 ///
-/// Where the holders' rounds leave a stock in a level of token buckets (its
-/// holders' held rates run below their parts, within what a change is worth) and
-/// their demand is above its rate, the stock beyond what is kept
+/// Where a level of token buckets holds a stock (what the holders' rounds leave where
+/// held rates run below their parts, within what a change is worth; or its burst)
+/// and their demand is above its rate, the stock beyond what is kept
 /// ([`kept_for_keeps`]) is divided too, over [`RATE_STOCK_SPENT`]: otherwise it
 /// grows each round until the level is full and its refill is lost. The units take
 /// all of it; the rate at most [`RATE_STOCK_AS_RATE`] of the level's rate, so that a

@@ -461,15 +461,15 @@ const STEADY_USE: f64 = 0.95;
 /// fleet tests (the target, 10%, is reported and judged over many runs in
 /// BENCHMARKS.md: a share is a count of whole requests, and the smallest Envoy's varies
 /// by 3-4% from run to run, one standard deviation): above what the current code
-/// measures (at most 12.1% in 72 runs of the three fleets, within 10% in 71, on
-/// 2026-12-07's twenty-seventh session), what the code before it measured (at most
-/// 11.5% in 297 runs, within 10% in 296, and within 10% in 32 of the carrying fleet
-/// alone, on the twenty-fifth to twenty-seventh sessions) and the code before that (at
-/// most 11.9% in 273 runs, within 10% in 266), below what earlier code gave (16.0% in
-/// 24 runs of the sixteenth session's, 22.3% in 108 of the fourteenth's), what dividing
-/// without demand would give (an even split leaves the Envoy of ten parts 40% short,
-/// the Envoy of one part twice its share) or what a smallest bucket of one token gave
-/// (22-65%). 20% until the twenty-sixth session.
+/// measures (at most 12.1% in 114 runs of the three fleets, within 10% in 113, on
+/// 2026-12-07's twenty-seventh and twenty-eighth sessions), what the code before it
+/// measured (at most 11.5% in 297 runs, within 10% in 296, and within 10% in 32 of the
+/// carrying fleet alone, on the twenty-fifth to twenty-seventh sessions) and the code
+/// before that (at most 11.9% in 273 runs, within 10% in 266), below what earlier code
+/// gave (16.0% in 24 runs of the sixteenth session's, 22.3% in 108 of the
+/// fourteenth's), what dividing without demand would give (an even split leaves the
+/// Envoy of ten parts 40% short, the Envoy of one part twice its share) or what a
+/// smallest bucket of one token gave (22-65%). 20% until the twenty-sixth session.
 const SHARE_BOUND: f64 = 0.15;
 
 /// One Envoy's stream of 10,000 buckets, against a server process: every bucket is

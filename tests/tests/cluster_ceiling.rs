@@ -35,6 +35,15 @@ tenants:
 ";
 
 const RATE: f64 = 1000.0;
+/// The run, seconds: a 2 s warm-up, the steady phase to [`SWING_AT`], the swing's
+/// phase after it (its last second not counted: requests in flight at the end).
+const RUN: u64 = 22;
+/// When half of the demand moves between nodes, seconds into the run. The steady
+/// phase is 14 s: its count's edge effect (the units agents hold at either end, up to
+/// about 100 of 7,000 over 7 s) was the floor's whole margin over a 7 s phase, and
+/// the floor failed in suite runs at 0.9827 and 0.9847 while runs alone read 0.9936 on
+/// average (2026-12-07); over 14 s the same units are half the share.
+const SWING_AT: u64 = 16;
 /// The policy's lease TTL: how long after its grant a leased unit may be spent.
 const HOLD: Duration = Duration::from_secs(1);
 
@@ -59,8 +68,8 @@ async fn the_global_ceiling_holds_across_three_nodes_and_ten_agents() {
     let weights: Vec<f64> = (0..30).map(|k| 1.0 / f64::from(k + 1)).collect();
     let total_w: f64 = weights.iter().sum();
 
-    // Offered: twice the ceiling. Phase 1 (0-9 s): a's agents carry 60%. Phase 2
-    // (9-15 s): half of the demand moves from a's agents to b's.
+    // Offered: twice the ceiling. Phase 1 (to `SWING_AT`): a's agents carry 60%. Phase
+    // 2 (to `RUN`): half of the demand moves from a's agents to b's.
     let offered = 2.0 * RATE;
     let share = |agent: usize, swung: bool| -> f64 {
         let node = agent % 3;
@@ -69,7 +78,7 @@ async fn the_global_ceiling_holds_across_three_nodes_and_ten_agents() {
         node_share / on_node
     };
     let start = Instant::now();
-    let windows: Arc<Vec<AtomicU64>> = Arc::new((0..15).map(|_| AtomicU64::new(0)).collect());
+    let windows: Arc<Vec<AtomicU64>> = Arc::new((0..RUN).map(|_| AtomicU64::new(0)).collect());
     let local = Arc::new(AtomicU64::new(0));
     let fallback = Arc::new(AtomicU64::new(0));
     // Every request's send and answer times and whether it was admitted.
@@ -87,7 +96,7 @@ async fn the_global_ceiling_holds_across_three_nodes_and_ten_agents() {
             let mut seed = 0x9e37_79b9_7f4a_7c15_u64 ^ (i as u64);
             loop {
                 let t = start.elapsed().as_secs_f64();
-                if t >= 15.0 {
+                if t >= RUN as f64 {
                     // Every request is answered and counted before the judging.
                     while let Some(r) = requests.join_next().await {
                         r.unwrap();
@@ -95,7 +104,7 @@ async fn the_global_ceiling_holds_across_three_nodes_and_ten_agents() {
                     return;
                 }
                 // Open loop: the n-th request of this agent is due at n / rate.
-                let rate = offered * share(i, t >= 9.0);
+                let rate = offered * share(i, t >= SWING_AT as f64);
                 let due = n as f64 / rate;
                 if due > t {
                     tokio::time::sleep(Duration::from_secs_f64((due - t).min(0.01))).await;
@@ -128,7 +137,7 @@ async fn the_global_ceiling_holds_across_three_nodes_and_ten_agents() {
                         fallback.fetch_add(1, Ordering::Relaxed);
                     }
                     let w = start.elapsed().as_secs() as usize;
-                    if o.allowed && w < 15 {
+                    if o.allowed && w < RUN as usize {
                         windows[w].fetch_add(1, Ordering::Relaxed);
                     }
                 });
@@ -148,14 +157,17 @@ async fn the_global_ceiling_holds_across_three_nodes_and_ten_agents() {
         .iter()
         .map(|&(w, u)| ((w - ticks(Duration::ZERO)) / 1_000_000_000, u))
         .collect();
-    let (steady, swing) = (certainly_admitted(&log, 2.0, 9.0), certainly_admitted(&log, 9.0, 14.0));
-    let (steady_allowed, swing_allowed) = (7.0 * RATE, 5.0 * RATE);
+    let (swing_at, end) = (SWING_AT as f64, (RUN - 1) as f64);
+    let steady = certainly_admitted(&log, 2.0, swing_at);
+    let swing = certainly_admitted(&log, swing_at, end);
+    let (steady_allowed, swing_allowed) = ((swing_at - 2.0) * RATE, (end - swing_at) * RATE);
     let local_share = local.load(Ordering::Relaxed) as f64 / total.load(Ordering::Relaxed) as f64;
     println!(
         "admitted per second: {per:?}\nover the ceiling (units no instant within a hold of \
-         their send could admit), per second: {:?}, {} in all of {}\nsteady (2-9 s): at \
-         least {steady} admitted = {:.4} x the ceiling; swing (9-14 s): at least {swing} = \
-         {:.4} (requests sent and answered inside the interval); decided locally {:.1}%",
+         their send could admit), per second: {:?}, {} in all of {}\nsteady (2-{SWING_AT} s): \
+         at least {steady} admitted = {:.4} x the ceiling; swing ({SWING_AT}-{end} s): at \
+         least {swing} = {:.4} (requests sent and answered inside the interval); decided \
+         locally {:.1}%",
         by_second,
         verdict.overshoot,
         verdict.units,
@@ -184,7 +196,8 @@ async fn the_global_ceiling_holds_across_three_nodes_and_ten_agents() {
     // Zero tolerance: not one unit over the bucket, per the design's bound.
     assert_eq!(verdict.overshoot, 0, "over the ceiling per second (s, units): {by_second:?}");
     // The ceiling is used: what was certainly admitted inside each interval (the
-    // burst in the bucket at either end moves a 7 s count by up to about 1.5%).
+    // burst in the bucket at either end moves the 14 s count by up to about 0.75%, the
+    // 5 s swing's by up to about 2%).
     assert!(steady as f64 >= 0.985 * steady_allowed, "steady: {steady} admitted");
     assert!(swing as f64 >= 0.95 * swing_allowed, "swing: {swing} admitted");
     for a in &agents {

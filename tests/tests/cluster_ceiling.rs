@@ -35,9 +35,11 @@ tenants:
 ";
 
 const RATE: f64 = 1000.0;
-/// The run, seconds: a 2 s warm-up, the steady phase to [`SWING_AT`], the swing's
-/// phase after it (its last second not counted: requests in flight at the end).
+/// The run, seconds: a warm-up ([`WARM_UP`]), the steady phase to [`SWING_AT`], the
+/// swing's phase after it (its last second not counted: requests in flight at the end).
 const RUN: u64 = 22;
+/// Seconds before the steady phase is counted.
+const WARM_UP: u64 = 2;
 /// When half of the demand moves between nodes, seconds into the run. The steady
 /// phase is 14 s: its count's edge effect (the units agents hold at either end, up to
 /// about 100 of 7,000 over 7 s) was the floor's whole margin over a 7 s phase, and
@@ -157,17 +159,17 @@ async fn the_global_ceiling_holds_across_three_nodes_and_ten_agents() {
         .iter()
         .map(|&(w, u)| ((w - ticks(Duration::ZERO)) / 1_000_000_000, u))
         .collect();
-    let (swing_at, end) = (SWING_AT as f64, (RUN - 1) as f64);
-    let steady = certainly_admitted(&log, 2.0, swing_at);
+    let (warm, swing_at, end) = (WARM_UP as f64, SWING_AT as f64, (RUN - 1) as f64);
+    let steady = certainly_admitted(&log, warm, swing_at);
     let swing = certainly_admitted(&log, swing_at, end);
-    let (steady_allowed, swing_allowed) = ((swing_at - 2.0) * RATE, (end - swing_at) * RATE);
+    let (steady_allowed, swing_allowed) = ((swing_at - warm) * RATE, (end - swing_at) * RATE);
     let local_share = local.load(Ordering::Relaxed) as f64 / total.load(Ordering::Relaxed) as f64;
     println!(
         "admitted per second: {per:?}\nover the ceiling (units no instant within a hold of \
-         their send could admit), per second: {:?}, {} in all of {}\nsteady (2-{SWING_AT} s): \
-         at least {steady} admitted = {:.4} x the ceiling; swing ({SWING_AT}-{end} s): at \
-         least {swing} = {:.4} (requests sent and answered inside the interval); decided \
-         locally {:.1}%",
+         their send could admit), per second: {:?}, {} in all of {}\nsteady \
+         ({WARM_UP}-{SWING_AT} s): at least {steady} admitted = {:.4} x the ceiling; swing \
+         ({SWING_AT}-{end} s): at least {swing} = {:.4} (requests sent and answered inside \
+         the interval); decided locally {:.1}%",
         by_second,
         verdict.overshoot,
         verdict.units,

@@ -18,9 +18,24 @@
 //! window holding `limit / c` of them: taking the windows in order and giving each to
 //! the requests that can use it with the earliest last window places the most
 //! (Glover's rule for intervals), and so counts the overshoot exactly.
+//!
+//! A sliding or calendar counter admits a request in window `k` when the previous
+//! window's count, weighted by a part that shrinks as `k` goes on, plus `k`'s own count
+//! so far leaves room for it. So within a window a request placed later only eases
+//! its own check and never tightens another's: given the previous window's count, a
+//! window's requests fit at some choice of instants exactly when they fit each at its
+//! last instant. Only the requests that may fall in two windows are a choice: one kept
+//! in the first sits best at that window's last tick (where the previous window
+//! weighs least), and of those moved on, the ones with the latest last instants should
+//! be. Taken window by window, each way the earlier choices can stand is a count of
+//! requests moved on, with the fewest units the window before can hold for it (fewer
+//! weigh less); moving more of a window's requests on only eases that window, so the
+//! fewest that must be moved is found by bisection.
 
 use std::cmp::Reverse;
 use std::collections::{BTreeMap, BinaryHeap};
+
+use crate::{Level, Spec};
 
 /// Whether jobs of length `p`, each `(release, deadline)` (it must end by its
 /// deadline), can all run on one machine, one at a time.
@@ -169,6 +184,88 @@ pub fn windows_unplaced(jobs: &[(u64, u64)], per_window: u64) -> Vec<usize> {
         w += 1;
     }
     unplaced
+}
+
+/// Whether requests of one `cost`, each decided at some instant of its span
+/// `(from, to)`, can all be admitted by a sliding counter or a calendar counter
+/// `spec` (see above); `None` when a span reaches over more than two windows (not
+/// solved here).
+pub fn counter_fits(spec: Spec, spans: &[(u64, u64)], cost: u64) -> Option<bool> {
+    // Per window (by its first tick): the last instants of the requests that fall in
+    // it only, and of those that may fall in it or the next.
+    let mut own: BTreeMap<u64, Vec<u64>> = BTreeMap::new();
+    let mut across: BTreeMap<u64, Vec<u64>> = BTreeMap::new();
+    for &(from, to) in spans {
+        let (start, end) = spec.window_bounds(from);
+        if to < end {
+            own.entry(start).or_default().push(to);
+        } else if to < spec.window_bounds(end).1 {
+            own.entry(start).or_default();
+            own.entry(end).or_default();
+            across.entry(start).or_default().push(to);
+        } else {
+            return None;
+        }
+    }
+    for v in own.values_mut() {
+        v.sort_unstable();
+    }
+    // Latest first: the ones moved on are a prefix.
+    for v in across.values_mut() {
+        v.sort_unstable_by(|a, b| b.cmp(a));
+    }
+    let none: Vec<u64> = Vec::new();
+    // Entering a window: for each count of requests moved on into it from the window
+    // before, the fewest the window before then holds.
+    let mut states: BTreeMap<usize, u64> = BTreeMap::from([(0, 0)]);
+    let mut before: Option<(u64, u64)> = None;
+    for (&start, inside) in &own {
+        let (_, end) = spec.window_bounds(start);
+        let moved_in = match before {
+            Some((prev_start, prev_end)) if prev_end == start => {
+                across.get(&prev_start).unwrap_or(&none)
+            }
+            _ => {
+                states = BTreeMap::from([(0, 0)]);
+                &none
+            }
+        };
+        let leaving = across.get(&start).unwrap_or(&none);
+        let fits = |held_before: u64, came: usize, kept: usize| {
+            let mut level = Level::new(spec);
+            if held_before > 0 {
+                level.charge(spec.window_bounds(start - 1).0, held_before * cost);
+            }
+            let mut at: Vec<u64> = inside.iter().chain(&moved_in[..came]).copied().collect();
+            at.sort_unstable();
+            at.extend(std::iter::repeat_n(end - 1, kept));
+            at.iter().all(|&t| level.try_take(t, cost))
+        };
+        let mut next: BTreeMap<usize, u64> = BTreeMap::new();
+        for (&came, &held_before) in &states {
+            // The fewest of this window's requests that must move on.
+            let (mut lo, mut hi) = (0, leaving.len() + 1);
+            while lo < hi {
+                let mid = (lo + hi) / 2;
+                if fits(held_before, came, leaving.len() - mid) {
+                    hi = mid;
+                } else {
+                    lo = mid + 1;
+                }
+            }
+            for moved in lo..=leaving.len() {
+                let held = (inside.len() + came + leaving.len() - moved) as u64;
+                let e = next.entry(moved).or_insert(held);
+                *e = (*e).min(held);
+            }
+        }
+        if next.is_empty() {
+            return Some(false);
+        }
+        states = next;
+        before = Some((start, end));
+    }
+    Some(true)
 }
 
 #[cfg(test)]

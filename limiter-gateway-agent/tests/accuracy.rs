@@ -9,12 +9,7 @@
 //! the agents together use at least 95% (97% for the token bucket) of what the
 //! reference admits deciding the same arrivals one by one.
 //!
-//! When a request may have been charged, by how it was decided:
-//! - by the owner: between the question and the answer;
-//! - from a lease (`DESIGN.md`): a token bucket's units were paid at the grant, up to
-//!   a lease TTL before the spend; fixed-window and sliding-counter grants end with
-//!   their window, so the grant fell in the spend's window; a sliding-log grant is
-//!   logged at the end of its hold, at most a fortieth of the window after the spend.
+//! When a request may have been charged, by how it was decided: `common::placement`.
 
 mod common;
 
@@ -23,7 +18,7 @@ use std::fmt::Write as _;
 use std::sync::Arc;
 use std::time::Duration;
 
-use common::{Owner, agent};
+use common::{Owner, agent, placement};
 use limiter_core::clock::{Clock, MonotonicClock, NANOS_PER_SEC};
 use limiter_gateway_agent::{AgentRequest, Source};
 use limiter_reference::judge::{Spend, judge};
@@ -46,22 +41,6 @@ fn spec(r: usize, l: u64) -> Spec {
         2 => Spec::SlidingLog { limit: 2 * l, window: 2 * s },
         _ => Spec::SlidingCounter { limit: l, window: s },
     }
-}
-
-/// When a request decided at `[before, after]` may have been charged (see above).
-fn placement(spec: Spec, local: bool, before: u64, after: u64) -> Spend {
-    let (from, to) = match spec {
-        _ if !local => (before, after),
-        Spec::TokenBucket { .. } => (before.saturating_sub(TTL), before),
-        Spec::FixedWindow { .. }
-        | Spec::SlidingCounter { .. }
-        | Spec::CalendarWindow { .. }
-        | Spec::CalendarCounter { .. } => {
-            (before.saturating_sub(TTL).max(spec.window_bounds(before).0), before)
-        }
-        Spec::SlidingLog { .. } => (before, before + spec.grant_hold(before, TTL)),
-    };
-    Spend { from, to, cost: 1 }
 }
 
 fn zipf_limits() -> Vec<u64> {
@@ -183,7 +162,7 @@ async fn run(limits: &[u64], demand: &[f64]) -> f64 {
         exact[t][r] += u64::from(level.try_take(at, 1));
         got[t][r] += u64::from(admitted);
         if admitted {
-            spends.entry((t, r)).or_default().push(placement(spec, local, at, answered));
+            spends.entry((t, r)).or_default().push(placement(spec, local, at, answered, TTL));
         }
     }
 
@@ -232,12 +211,13 @@ async fn run(limits: &[u64], demand: &[f64]) -> f64 {
                 let lines: String = arrivals
                     .iter()
                     .filter(|a| a.0 == t && a.1 == r)
-                    .map(|a| format!("{} {} {} {}\n", a.2 - start, a.3 - start, a.4, a.5))
+                    .map(|a| format!("{} {} {} {}\n", a.2, a.3, a.4, a.5))
                     .collect();
                 let _ = std::fs::write(&file, lines);
                 let _ = write!(
                     worst,
-                    " t{t}: {} over, per second (s, units) {per:?} (arrivals: sent, answered, \
+                    " t{t}: {} over, per second (s, units) {per:?} (arrivals: sent, answered \
+                     (on the clock the windows are aligned to; the run began at {start}), \
                      admitted, local, in {});",
                     v.overshoot,
                     file.display()

@@ -10,18 +10,17 @@ mod common;
 use std::sync::Arc;
 use std::time::Duration;
 
-use common::{Owner, agent};
+use common::{Owner, agent, placement};
 use limiter_core::clock::{Clock, MonotonicClock, NANOS_PER_SEC};
 use limiter_gateway_agent::{AgentRequest, Source};
-use limiter_reference::judge::{Spend, judge};
+use limiter_reference::judge::judge;
 use limiter_reference::{Level, Spec};
 
 const AGENTS: u64 = 10;
 const LIMIT: u64 = 200;
 const RUN_SECS: u64 = 12;
 const WARM_UP_SECS: u64 = 2;
-/// The policy's lease TTL (the default): how long before a local spend its unit may
-/// have been charged.
+/// The policy's lease TTL (the default).
 const TTL: u64 = 2 * NANOS_PER_SEC;
 
 const POLICY: &str = "version: 1
@@ -85,9 +84,7 @@ async fn agents_share_a_tenant_near_its_limit_in_proportion_to_their_demand() {
         for &(before, after, allowed, local) in out {
             arrivals.push(before);
             if allowed {
-                let (from, to) =
-                    if local { (before.saturating_sub(TTL), before) } else { (before, after) };
-                spends.push(Spend { from, to, cost: 1 });
+                spends.push(placement(spec, local, before, after, TTL));
             }
         }
     }

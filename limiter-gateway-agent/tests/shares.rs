@@ -10,11 +10,11 @@ mod common;
 use std::sync::Arc;
 use std::time::Duration;
 
-use common::{Owner, agent};
+use common::{Owner, agent, placement};
 use limiter_core::clock::{Clock, MonotonicClock, NANOS_PER_SEC};
 use limiter_gateway_agent::{AgentRequest, Source};
 use limiter_reference::Spec;
-use limiter_reference::judge::{Spend, judge};
+use limiter_reference::judge::judge;
 
 const LIMIT: u64 = 400;
 const RUN_SECS: u64 = 10;
@@ -96,9 +96,7 @@ async fn leased_batches_keep_a_reserved_share_under_a_flood() {
                 sec.2 += u64::from(allowed);
             }
             if allowed {
-                let (from, to) =
-                    if is_local { (before.saturating_sub(TTL), before) } else { (before, after) };
-                spends.push(Spend { from, to, cost: 1 });
+                spends.push(placement(spec, is_local, before, after, TTL));
             }
         }
     }

@@ -87,17 +87,8 @@ pub struct Judgement {
 fn placement(spec: Spec, r: &Record, start_unix: u64, hold: u64) -> Spend {
     let sent = start_unix + r.sent;
     let answered = start_unix + r.at + r.latency;
-    let (from, to) = match spec {
-        _ if hold == 0 => (sent, answered),
-        Spec::TokenBucket { .. } => (sent.saturating_sub(hold), answered),
-        Spec::FixedWindow { .. }
-        | Spec::SlidingCounter { .. }
-        | Spec::CalendarWindow { .. }
-        | Spec::CalendarCounter { .. } => {
-            (sent.saturating_sub(hold).max(spec.window_bounds(sent).0), answered)
-        }
-        Spec::SlidingLog { .. } => (sent, answered + spec.grant_hold(answered, hold)),
-    };
+    let (from, to) =
+        if hold == 0 { (sent, answered) } else { spec.leased_span(sent, answered, hold) };
     Spend { from, to: to.max(from), cost: r.cost }
 }
 

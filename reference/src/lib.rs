@@ -179,6 +179,26 @@ impl Spec {
         }
     }
 
+    /// When a unit spent from a lease of `hold` (`DESIGN.md`) by a request decided
+    /// between `sent` and `answered` may have been charged: a token bucket's units were
+    /// paid at the grant, up to a hold before the spend; fixed-window and counter
+    /// grants end with their window, so the grant fell in the spend's window; a sliding
+    /// log's grant is logged at the end of its hold, at most a fortieth of the window
+    /// after the spend. The latest grant is `answered`, not `sent`: a grant may land
+    /// between the caller's clock reading and the spend.
+    pub fn leased_span(&self, sent: u64, answered: u64, hold: u64) -> (u64, u64) {
+        match self {
+            Spec::TokenBucket { .. } => (sent.saturating_sub(hold), answered),
+            Spec::FixedWindow { .. }
+            | Spec::SlidingCounter { .. }
+            | Spec::CalendarWindow { .. }
+            | Spec::CalendarCounter { .. } => {
+                (sent.saturating_sub(hold).max(self.window_bounds(sent).0), answered)
+            }
+            Spec::SlidingLog { .. } => (sent, answered + self.grant_hold(answered, hold)),
+        }
+    }
+
     /// The instant a grant made at `now` for `hold` is charged at: the end of its hold
     /// for a sliding log (so it counts in every window a spend of it can fall in),
     /// `now` otherwise.

@@ -108,28 +108,12 @@ async fn pipe(
 }
 
 /// When a request admitted on a level with `spec`, decided between the test's clock
-/// readings `before` and `after`, may have been charged:
-/// - by the owner: between the two;
-/// - from a lease of `ttl` (`DESIGN.md`): a token bucket's units were paid at the
-///   grant, up to a TTL before the spend; fixed-window and sliding-counter grants end
-///   with their window, so the grant fell in the spend's window; a sliding-log grant is
-///   logged at the end of its hold, at most a fortieth of the window after the spend.
-///
-/// A local spend's grant may come as late as `after`, not only before `before`: a
-/// renewal can install a grant between the test's reading and the agent's spend (the
-/// agent reads its clock, then takes the units: a request that found the balance
-/// empty and finds the new grant once the renewal is back is local too).
+/// readings `before` and `after`, may have been charged: by the owner, between the
+/// two; from a lease of `ttl`, as `Spec::leased_span` says (a local spend's grant may
+/// come as late as `after`: a renewal can install it between the test's reading and
+/// the agent's spend, and a request that found the balance empty and then the new
+/// grant is local too).
 pub(crate) fn placement(spec: Spec, local: bool, before: u64, after: u64, ttl: u64) -> Spend {
-    let (from, to) = match spec {
-        _ if !local => (before, after),
-        Spec::TokenBucket { .. } => (before.saturating_sub(ttl), after),
-        Spec::FixedWindow { .. }
-        | Spec::SlidingCounter { .. }
-        | Spec::CalendarWindow { .. }
-        | Spec::CalendarCounter { .. } => {
-            (before.saturating_sub(ttl).max(spec.window_bounds(before).0), after)
-        }
-        Spec::SlidingLog { .. } => (before, after + spec.grant_hold(after, ttl)),
-    };
+    let (from, to) = if local { spec.leased_span(before, after, ttl) } else { (before, after) };
     Spend { from, to, cost: 1 }
 }

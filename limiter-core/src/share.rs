@@ -323,39 +323,6 @@ impl DemandMeter {
         self.slots[0] = self.slots[0].saturating_add(units);
     }
 
-    /// Records `units` spent evenly over `[from, now]`: what a holder reports at its
-    /// call having spent since its last one is demand of that whole time, not a burst
-    /// at the call (agents' leases report spending in lumps; counted at the call, a
-    /// class's recent rate read two holders' lumps in its last two slots as a surge,
-    /// and its allocation jumped). What falls before the meter's second is past
-    /// counting.
-    fn record_spread(&mut self, from: Nanos, now: Nanos, units: u64) {
-        self.roll(now);
-        if units == 0 {
-            return;
-        }
-        if from >= now {
-            self.slots[0] = self.slots[0].saturating_add(units);
-            return;
-        }
-        let span = u128::from(now - from);
-        // Of `units`, those spent by `t` (to the nearest).
-        let by = |t: Nanos| {
-            let part =
-                (u128::from(units) * u128::from(t.clamp(from, now) - from) + span / 2) / span;
-            u64::try_from(part).unwrap_or(units)
-        };
-        let oldest = (self.newest + 1).saturating_sub(SLOTS as u64);
-        let first = (from / SLOT).max(oldest);
-        let mut given = by(first.saturating_mul(SLOT));
-        for slot in first..=self.newest {
-            let upto = by((slot + 1).saturating_mul(SLOT));
-            let i = usize::try_from(self.newest - slot).unwrap_or(SLOTS - 1).min(SLOTS - 1);
-            self.slots[i] = self.slots[i].saturating_add(upto - given);
-            given = upto;
-        }
-    }
-
     /// Units per second: the larger of the last second's and the last two slots'
     /// rates (a class whose demand rises is seen within a slot or two; one whose
     /// demand falls keeps its share for a second).
@@ -582,16 +549,8 @@ impl ShareGate {
         }
     }
 
-    /// Counts `units` that a holder of `class` spent since `since` (its last grant) as
-    /// the class's demand, spread over that time as they were spent.
-    pub fn spent(&mut self, class: usize, units: u64, since: Nanos, now: Nanos) {
-        if let Some(c) = self.classes.get_mut(class) {
-            c.demand.record_spread(since, now, units);
-        }
-    }
-
     /// Units `class` may take now (a lease's size is cut to it), after counting
-    /// `asked` units (what waits now) as its demand. `Err` when its share has none.
+    /// `asked` units as its demand. `Err` when its share has none.
     ///
     /// # Errors
     ///

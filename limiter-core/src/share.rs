@@ -323,6 +323,39 @@ impl DemandMeter {
         self.slots[0] = self.slots[0].saturating_add(units);
     }
 
+    /// Records `units` spent evenly over `[from, now]`: what a holder reports at its
+    /// call having spent since its last one is demand of that whole time, not a burst
+    /// at the call (agents' leases report spending in lumps; counted at the call, a
+    /// class's recent rate read two holders' lumps in its last two slots as a surge,
+    /// and its allocation jumped). What falls before the meter's second is past
+    /// counting.
+    fn record_spread(&mut self, from: Nanos, now: Nanos, units: u64) {
+        self.roll(now);
+        if units == 0 {
+            return;
+        }
+        if from >= now {
+            self.slots[0] = self.slots[0].saturating_add(units);
+            return;
+        }
+        let span = u128::from(now - from);
+        // Of `units`, those spent by `t` (to the nearest).
+        let by = |t: Nanos| {
+            let part =
+                (u128::from(units) * u128::from(t.clamp(from, now) - from) + span / 2) / span;
+            u64::try_from(part).unwrap_or(units)
+        };
+        let oldest = (self.newest + 1).saturating_sub(SLOTS as u64);
+        let first = (from / SLOT).max(oldest);
+        let mut given = by(first.saturating_mul(SLOT));
+        for slot in first..=self.newest {
+            let upto = by((slot + 1).saturating_mul(SLOT));
+            let i = usize::try_from(self.newest - slot).unwrap_or(SLOTS - 1).min(SLOTS - 1);
+            self.slots[i] = self.slots[i].saturating_add(upto - given);
+            given = upto;
+        }
+    }
+
     /// Units per second: the larger of the last second's and the last two slots'
     /// rates (a class whose demand rises is seen within a slot or two; one whose
     /// demand falls keeps its share for a second).
@@ -350,6 +383,8 @@ struct ClassGate {
     last: Option<Limit>,
     state: LimitState,
     demand: DemandMeter,
+    /// When its share last refused it (0: never).
+    refused_at: Nanos,
 }
 
 /// Why a class's request was refused, and for how long.
@@ -408,6 +443,7 @@ impl ShareGate {
                 last: None,
                 state: LimitState::Fresh,
                 demand: DemandMeter::default(),
+                refused_at: 0,
             })
             .collect();
         g
@@ -423,6 +459,7 @@ impl ShareGate {
                 && let Some(prev) = self.classes.get(i)
             {
                 c.demand = prev.demand.clone();
+                c.refused_at = prev.refused_at;
                 c.ppm = prev.ppm;
                 c.limit = prev.ppm.and_then(|ppm| scaled(&base, ppm));
                 c.last = c.limit.or(prev.last);
@@ -530,6 +567,7 @@ impl ShareGate {
         let next_at = self.next_at;
         let Some(c) = self.classes.get_mut(class) else { return Ok(u64::MAX) };
         let Some(limit) = c.limit else {
+            c.refused_at = now;
             return Err(ShareDenied {
                 class,
                 retry_after: next_at.saturating_sub(now).max(1),
@@ -544,13 +582,26 @@ impl ShareGate {
         match check {
             Check::Admit { remaining } => Ok(remaining),
             Check::Deny { retry_after } => {
+                c.refused_at = now;
                 Err(ShareDenied { class, retry_after: retry_after.max(1), limit: Some(limit) })
             }
         }
     }
 
+    /// Counts `units` that a holder of `class` spent since `since` (its last grant) as
+    /// the class's demand: spread over that time as they were spent, or at once when
+    /// its share refused it within the last second (a class rising past its allocation,
+    /// such as one back from idle, must be seen at once, or it stays capped by what its
+    /// allocation let it spend).
+    pub fn spent(&mut self, class: usize, units: u64, since: Nanos, now: Nanos) {
+        if let Some(c) = self.classes.get_mut(class) {
+            let since = if now < c.refused_at.saturating_add(NANOS_PER_SEC) { now } else { since };
+            c.demand.record_spread(since, now, units);
+        }
+    }
+
     /// Units `class` may take now (a lease's size is cut to it), after counting
-    /// `asked` units as its demand. `Err` when its share has none.
+    /// `asked` units (what waits now) as its demand. `Err` when its share has none.
     ///
     /// # Errors
     ///

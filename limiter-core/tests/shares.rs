@@ -304,3 +304,46 @@ tenants:
     assert_eq!(shares.class_of("zed", "/r", None), 2);
     assert_eq!(Scope::Global, Scope::ALL[0]);
 }
+
+/// Leases report what their holders spent at each call, in lumps: a class's demand is
+/// what it spent over the time it spent it. Two holders of `acme` each spend 40 a
+/// second and report every 250 ms, 90 ms apart, beside two flooding holders at twice
+/// the level; `acme`'s allocation must follow its demand with its quarter of headroom
+/// in every slot once its first second (refused while its demand was unmeasured:
+/// counted at once then) has passed, not jump when two reports fall in the meter's last
+/// two slots (read at the call, they did: up to 131,000 ppm).
+#[test]
+fn a_class_whose_holders_report_in_lumps_is_allocated_by_its_rate() {
+    let policy = from_yaml(POLICY, "p.yaml").unwrap();
+    let rule = policy.global.as_ref().unwrap();
+    let shares: &Shares = rule.shares.as_deref().unwrap();
+    let mut gate = ShareGate::new(*rule.limit, shares);
+    let (acme, flood) = (shares.class_of("acme", "/r", None), shares.class_of("f", "/r", None));
+    let ms = 1_000_000;
+    // (class, per second, first report, every): two of acme's holders, two floods.
+    let holders = [(acme, 40, 5 * ms, 250 * ms), (acme, 40, 95 * ms, 250 * ms)];
+    let floods = [(flood, 1_000, 60 * ms, 250 * ms), (flood, 1_000, 190 * ms, 250 * ms)];
+    let mut reports: Vec<(Nanos, usize, u64, Nanos)> = Vec::new();
+    for &(class, rate, first, every) in holders.iter().chain(&floods) {
+        let mut at = first + every;
+        while at < 5 * NANOS_PER_SEC {
+            reports.push((at, class, rate * every / NANOS_PER_SEC, at - every));
+            at += every;
+        }
+    }
+    reports.sort_unstable();
+    let (mut least, mut most) = (u64::MAX, 0);
+    for (at, class, spent, since) in reports {
+        gate.spent(class, spent, since, at);
+        let _ = gate.room(shares, class, 0, at);
+        if at >= 2 * NANOS_PER_SEC + 250 * ms {
+            let ppm = gate.view(shares, at)[acme].ppm;
+            (least, most) = (least.min(ppm), most.max(ppm));
+        }
+    }
+    println!("acme allocated {least}-{most} ppm of the level");
+    // 80 a second with a quarter more: 100, a tenth of the level (the meter reads up
+    // to 5% high over its slots); never below the 80 it spends.
+    assert!(most <= 100_000 + 5_000, "acme allocated up to {most} ppm of the level");
+    assert!(least >= 80_000, "acme allocated {least} ppm of the level, below its demand");
+}

@@ -316,6 +316,16 @@ impl Owner {
         };
         let now = self.clock().now();
         let (back, spent) = self.settle(holder, item, now);
+        // An agent's spending since its previous grant, counted as its class's demand
+        // over that time. A node's slice is settled at its end, long after it was
+        // spent: counted as spent now, so that a class coming back from idle is seen
+        // at once (spread over the slice's life, the class's rise lagged, and
+        // `cluster_shares` refused the reserved class in the second after its
+        // return in 3 of 6 runs).
+        let since = match (back, slice_of) {
+            (Some(b), None) => b.granted_at,
+            _ => now,
+        };
         // What the previous lease left unspent goes back to its classes' shares too.
         if let (Some(b), Some(who)) = (back, who) {
             self.shares.give_back_units(who, &chain, b.units, b.granted_at, now);
@@ -409,7 +419,7 @@ impl Owner {
         let ask = match who {
             _ if exact => ask,
             None => ask,
-            Some(who) => match self.shares.room(who, &chain, spent + ask.cost, now) {
+            Some(who) => match self.shares.room(who, &chain, (spent, since), ask.cost, now) {
                 Ok(room) if room >= ask.cost => Ask { most: ask.most.min(room), ..ask },
                 Ok(_) => {
                     // The waiting request does not fit its class's share now.

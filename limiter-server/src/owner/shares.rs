@@ -126,19 +126,21 @@ impl ShareGates {
     }
 
     /// The most a lease for `req` may be granted by the classes of its chain's divided
-    /// levels (`u64::MAX` when none is divided), counting `asked` units (what its
-    /// holder spent since its last call, and the request waiting) as the class's
-    /// demand; a refusal when a class's share is used up.
+    /// levels (`u64::MAX` when none is divided), counting as the class's demand what
+    /// its holder `spent` since its last grant (`since`: spread over that time) and
+    /// the `waiting` request; a refusal when a class's share is used up.
     pub(crate) fn room(
         &self,
         req: Who<'_>,
         chain: &Chain<'_>,
-        asked: u64,
+        (spent, since): (u64, Nanos),
+        waiting: u64,
         now: Nanos,
     ) -> Result<u64, Box<Refused>> {
         let mut room = u64::MAX;
         self.walk(req, chain, now, |level, _, e, shares, class| {
-            let r = e.gate.room(shares, class, asked, now);
+            e.gate.spent(class, spent, since, now);
+            let r = e.gate.room(shares, class, waiting, now);
             room = room.min(r.map_err(|d| Box::new(refused(level, shares, class, &d)))?);
             Ok(())
         })?;

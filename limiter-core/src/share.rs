@@ -330,14 +330,10 @@ impl DemandMeter {
     /// and its allocation jumped). What falls before the meter's second is past
     /// counting.
     fn record_spread(&mut self, from: Nanos, now: Nanos, units: u64) {
-        self.roll(now);
-        if units == 0 {
-            return;
-        }
         if from >= now {
-            self.slots[0] = self.slots[0].saturating_add(units);
-            return;
+            return self.record(now, units);
         }
+        self.roll(now);
         let span = u128::from(now - from);
         // Of `units`, those spent by `t` (to the nearest).
         let by = |t: Nanos| {

@@ -186,10 +186,15 @@ pub fn windows_unplaced(jobs: &[(u64, u64)], per_window: u64) -> Vec<usize> {
     unplaced
 }
 
+/// The most requests that may fall in either of two windows, per window, that
+/// [`counter_fits`] takes on: each way the earlier windows can stand is a state, and
+/// each state a bisection of whole checks of the window.
+const ACROSS_MOST: usize = 256;
+
 /// Whether requests of one `cost`, each decided at some instant of its span
 /// `(from, to)`, can all be admitted by a sliding counter or a calendar counter
-/// `spec` (see above); `None` when a span reaches over more than two windows (not
-/// solved here).
+/// `spec` (see above); `None` when that is not solved here: a span reaches over more
+/// than two windows, or more than [`ACROSS_MOST`] reach over one window's end.
 pub fn counter_fits(spec: Spec, spans: &[(u64, u64)], cost: u64) -> Option<bool> {
     // Per window (by its first tick): the last instants of the requests that fall in
     // it only, and of those that may fall in it or the next.
@@ -209,6 +214,9 @@ pub fn counter_fits(spec: Spec, spans: &[(u64, u64)], cost: u64) -> Option<bool>
     }
     for v in own.values_mut() {
         v.sort_unstable();
+    }
+    if across.values().any(|v| v.len() > ACROSS_MOST) {
+        return None;
     }
     // Latest first: the ones moved on are a prefix.
     for v in across.values_mut() {

@@ -12,10 +12,10 @@
 //! - requests of one cost on a token bucket (up to 20,000 on a level): whether some
 //!   choice places them all. As early as possible is not always right there: a
 //!   request with room to spare can take the unit that one sent just after it needs
-//!   at once (the unit over that busy-machine benchmarks of an exact server showed).
-//!
+//!   at once (the unit over that busy-machine benchmarks of an exact server showed);
 //! - requests of one cost on a sliding or calendar counter whose spans reach over at
-//!   most two windows: whether some choice places them all.
+//!   most two windows (and at most 256 over any one window's end): whether some
+//!   choice places them all.
 //!
 //! Otherwise two more ways are tried and the best of the three kept: each request at
 //! its last instant, or at the last instant of the window its first one is in (a

@@ -20,7 +20,10 @@ pub struct AgentConfig {
     /// least this often while used.
     pub renew_interval: Duration,
     /// A lease is given up this fraction of its hold early (on top of counting from
-    /// when the request was sent), so the agent always stops before the owner.
+    /// when the request was sent), so the agent always stops before the owner. It
+    /// also covers the agent's clock running slow: its counter is trusted only
+    /// within [`crate::COUNTER_TOLERANCE_PPM`] (0.1%) of the OS clock, so keep the
+    /// margin above that.
     pub deadline_margin: f64,
     /// Consecutive failed calls that open the circuit breaker.
     pub breaker_threshold: u32,

@@ -19,8 +19,8 @@ pub mod pool;
 pub mod slot;
 
 pub use agent::{
-    Agent, AgentRequest, AgentStats, FastClock, HandlePermit, LimitInfo, LocalPermit, Outcome,
-    Permit, PermitHandle, Source,
+    Agent, AgentRequest, AgentStats, COUNTER_TOLERANCE_PPM, FastClock, HandlePermit, LimitInfo,
+    LocalPermit, Outcome, Permit, PermitHandle, Source,
 };
 pub use config::AgentConfig;
 pub use error::AgentError;

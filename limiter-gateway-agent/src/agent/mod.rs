@@ -30,7 +30,7 @@ pub use self::answer::{
     AgentRequest, AgentStats, LimitInfo, Outcome, Permit, REFUSAL_CAP_SHARE, Source,
 };
 use self::clock::AgentClock;
-pub use self::clock::FastClock;
+pub use self::clock::{COUNTER_TOLERANCE_PPM, FastClock};
 pub use self::permits::{HandlePermit, LocalPermit, PermitHandle};
 use self::renew::*;
 use self::schedule::{Schedule, When};

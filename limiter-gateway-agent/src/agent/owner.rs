@@ -460,7 +460,7 @@ impl Inner {
             .copied()
             .or_else(|| self.config.routes.get(route).copied())
             .unwrap_or(self.config.default_failure);
-        match self.ceilings.decide(route, policy, cost, self.clock.now()) {
+        match self.ceilings.decide(route, policy, cost, self.clock.rates_now()) {
             Decision::Allowed { remaining, .. } => {
                 Outcome { remaining, source: Source::Fallback, ..Outcome::local(remaining) }
             }

@@ -44,6 +44,7 @@ pub(super) async fn renew_loop(inner: Weak<Inner>, cancel: CancellationToken) {
             continue;
         }
         inner.schedule.plan(Nanos::MAX);
+        inner.clock.check();
         next_due = renew_due(&inner).await;
     }
 }

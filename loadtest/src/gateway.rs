@@ -27,6 +27,13 @@ fn var(name: &str) -> anyhow::Result<String> {
 ///
 /// When the environment is incomplete or the scenario invalid.
 pub fn main() -> anyhow::Result<()> {
+    // The agent's warnings (an owner out of reach, its clock's counter found off) go
+    // to standard error, which the run passes on to its own.
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::new("warn"))
+        .with_writer(std::io::stderr)
+        .with_ansi(false)
+        .try_init();
     let mut s = Scenario::from_yaml(&var("LOADTEST_SCENARIO")?)?;
     s.policy = PathBuf::from(var("LOADTEST_POLICY")?);
     let g: usize = var("LOADTEST_GATEWAY")?.parse()?;

@@ -23,8 +23,10 @@ const PAIR_READS: usize = 8;
 /// millisecond at the process's start: a thread descheduled in it sets the rate off
 /// for the process's life. So [`FastClock::check`] (the agent's renewer calls it
 /// every round) compares the counter with the OS clock since the start; once it is
-/// off by more than [`COUNTER_TOLERANCE_PPM`], the clock reads the OS clock instead,
-/// from where the counter had got to (never back), and says so in a warning.
+/// off by more than [`COUNTER_TOLERANCE_PPM`], the clock reads the OS clock instead
+/// and says so in a warning. A counter that ran slow jumps forward to the OS clock
+/// (a lease's deadline comes sooner, never later); one that ran fast goes on from
+/// where it had got to (never back), at the OS clock's rate.
 #[derive(Debug)]
 pub struct FastClock {
     clock: quanta::Clock,
@@ -39,26 +41,11 @@ pub struct FastClock {
     /// 0 while the counter is trusted; then one more than what is added to the OS
     /// clock's reading (since the origin), which is read instead.
     os_offset: AtomicU64,
-    /// A test's error put on the counter's rate, in parts per million.
-    #[cfg(test)]
-    skew_ppm: i64,
 }
 
 impl Default for FastClock {
     fn default() -> Self {
-        let clock = quanta::Clock::new();
-        let os = MonotonicClock::new();
-        let (os_origin, origin_slack, origin) = tightest(|| clock.raw(), &os);
-        Self {
-            clock,
-            origin,
-            os,
-            os_origin,
-            origin_slack,
-            os_offset: AtomicU64::new(0),
-            #[cfg(test)]
-            skew_ppm: 0,
-        }
+        Self::on(quanta::Clock::new())
     }
 }
 
@@ -74,6 +61,13 @@ impl Clock for FastClock {
 }
 
 impl FastClock {
+    /// The clock on `clock`'s counter (tests give a mock one).
+    fn on(clock: quanta::Clock) -> Self {
+        let os = MonotonicClock::new();
+        let (os_origin, origin_slack, origin) = tightest(|| clock.raw(), &os);
+        Self { clock, origin, os, os_origin, origin_slack, os_offset: AtomicU64::new(0) }
+    }
+
     /// Nanoseconds since the origin by the counter: the raw counter scaled by one
     /// multiply and shift (no `Duration`, whose making divides by a billion).
     #[inline]
@@ -83,10 +77,7 @@ impl FastClock {
 
     #[inline]
     fn counter_at(&self, raw: u64) -> Nanos {
-        let n = self.clock.delta_as_nanos(self.origin, raw);
-        #[cfg(test)]
-        let n = skewed(n, self.skew_ppm);
-        n
+        self.clock.delta_as_nanos(self.origin, raw)
     }
 
     /// Nanoseconds since the origin by the OS clock.
@@ -124,7 +115,8 @@ impl FastClock {
         if counter.abs_diff(elapsed) <= allowed {
             return None;
         }
-        // From where the counter has got to, so that no reading goes back.
+        // At the OS clock's reading, or from where the counter has got to if that is
+        // later, so that no reading goes back.
         let now = self.counter_at(self.clock.raw()) + 1;
         let offset = now.saturating_sub(self.os_since());
         self.os_offset.store(offset.max(1), Ordering::Relaxed);
@@ -153,12 +145,6 @@ fn tightest(raw: impl Fn() -> u64, os: &MonotonicClock) -> (Nanos, Nanos, u64) {
         })
         .min_by_key(|&(_, width, _)| width)
         .map_or((0, 0, 0), |(before, width, r)| (before + width / 2, width / 2 + 1, r))
-}
-
-#[cfg(test)]
-#[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
-fn skewed(n: Nanos, ppm: i64) -> Nanos {
-    (i128::from(n) * (1_000_000 + i128::from(ppm)) / 1_000_000) as Nanos
 }
 
 /// The clock an agent reads: its own (called directly, inlined on the hit path), or
@@ -205,6 +191,22 @@ mod tests {
         std::thread::sleep(std::time::Duration::from_millis(ms));
     }
 
+    /// A clock on a mock counter, and the mock.
+    fn mocked() -> (FastClock, Arc<quanta::Mock>) {
+        let (clock, mock) = quanta::Clock::mock();
+        mock.increment(1_000_000_u64);
+        (FastClock::on(clock), mock)
+    }
+
+    /// Moves the mock counter to the OS clock's time since the origin, off its rate
+    /// by `ppm`: a counter whose rate was measured that far wrong.
+    #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
+    fn run_off(c: &FastClock, mock: &quanta::Mock, ppm: i64) {
+        let os = i128::from(c.os_since());
+        let at = c.origin + (os * (1_000_000 + i128::from(ppm)) / 1_000_000) as u64;
+        mock.increment(at.saturating_sub(mock.value()));
+    }
+
     /// The counter is scaled to nanoseconds: a sleep of 50 ms reads as at least that
     /// (and not wildly more: a second would mean the scale is off by twenty).
     #[test]
@@ -221,31 +223,37 @@ mod tests {
     /// A counter within the tolerance is kept.
     #[test]
     fn a_counter_within_the_tolerance_is_kept() {
-        let mut c = FastClock::default();
-        c.skew_ppm = 200;
-        sleep_ms(100);
-        assert_eq!(c.check(), None);
-        assert!(!c.on_os_clock());
+        for ppm in [200, -200] {
+            let (c, mock) = mocked();
+            sleep_ms(100);
+            run_off(&c, &mock, ppm);
+            assert_eq!(c.check(), None, "{ppm} ppm");
+            assert!(!c.on_os_clock());
+        }
     }
 
     /// A counter running 0.3% fast (or slow) is caught within 100 ms, and the clock
-    /// goes on from where it had got to on the OS clock: never back, and at the OS
-    /// clock's rate from then.
+    /// reads the OS clock from then: never back, never behind it, and at its rate.
     #[test]
     fn a_counter_off_its_rate_is_caught_and_the_os_clock_read_from_there() {
         for skew in [3_000, -3_000] {
-            let mut c = FastClock::default();
-            c.skew_ppm = skew;
+            let (c, mock) = mocked();
             sleep_ms(100);
+            run_off(&c, &mock, skew);
             let before = c.now();
             let ppm = c.check().expect("caught");
             assert!((skew - 500..=skew + 500).contains(&ppm), "{ppm} ppm for {skew}");
             assert!(c.on_os_clock());
+            let os = c.os_now();
             let after = c.now();
             assert!(after >= before, "{after} < {before}");
+            // A slow counter's lag is not kept: no deadline on it comes late.
+            assert!(after >= os, "{after} behind the OS clock's {os}");
             assert_eq!(c.check(), None, "once");
+            // The counter goes on off its rate; the clock no longer follows it.
             let (a, os_a) = (c.now(), c.os_now());
             sleep_ms(100);
+            run_off(&c, &mock, skew);
             let (b, os_b) = (c.now(), c.os_now());
             // The counter's 300 µs in 100 ms would show; the reads one after the
             // other are apart by far less.
@@ -259,12 +267,17 @@ mod tests {
     /// second shorter.
     #[test]
     fn rates_read_the_os_clock_not_the_counter() {
-        let mut c = FastClock::default();
-        c.skew_ppm = 900;
-        let (os, fast) = (MonotonicClock::new(), AgentClock::Fast(c));
+        let (c, mock) = mocked();
+        sleep_ms(300);
+        run_off(&c, &mock, 900);
+        let os = MonotonicClock::new();
+        let fast = AgentClock::Fast(c);
         let os_a = os.now();
         let a = fast.rates_now();
         sleep_ms(300);
+        if let AgentClock::Fast(c) = &fast {
+            run_off(c, &mock, 900);
+        }
         let b = fast.rates_now();
         let os_b = os.now();
         // The OS clock's span holds the other's, both on one clock, so no more (the

@@ -27,3 +27,7 @@ pub use error::AgentError;
 
 /// Gauge: 1 while the owner is unreachable and routes follow their failure policy.
 pub const FALLBACK: &str = "limiter_agent_fallback";
+
+/// Gauge: 1 once the agent's time-stamp counter was found off the OS clock by more
+/// than [`COUNTER_TOLERANCE_PPM`] and the agent reads the OS clock instead.
+pub const CLOCK_ON_OS: &str = "limiter_agent_clock_on_os";

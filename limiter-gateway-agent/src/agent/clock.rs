@@ -123,6 +123,7 @@ impl FastClock {
         #[allow(clippy::cast_possible_wrap, clippy::cast_possible_truncation)]
         let ppm = ((i128::from(counter) - i128::from(elapsed)) * 1_000_000
             / i128::from(elapsed.max(1))) as i64;
+        metrics::gauge!(crate::CLOCK_ON_OS).set(1.0);
         tracing::warn!(
             ppm,
             "the time-stamp counter runs {ppm} ppm off the OS clock since the agent started \

@@ -38,8 +38,8 @@ pub struct FastClock {
     /// How far that reading may be from the counter's origin (half the tightest
     /// pair of reads around it).
     origin_slack: Nanos,
-    /// 0 while the counter is trusted; then one more than what is added to the OS
-    /// clock's reading (since the origin), which is read instead.
+    /// 0 while the counter is trusted; then what is added to the OS clock's reading
+    /// since the origin, which is read instead (at least 1: never a zero reading).
     os_offset: AtomicU64,
 }
 

@@ -17,12 +17,12 @@ const PAIR_READS: usize = 8;
 
 /// The span over which the counter's rate is judged: a check compares the two
 /// clocks since the last check at least this far back (the start, at first), so a
-/// rate that changes after years of running (a host's counter rescaled, say) is
-/// caught within about this span, not diluted by the years.
+/// rate that changes after a long run (a host's counter rescaled, say) is caught
+/// within about this span, not diluted by the run.
 const CHECK_SPAN: Nanos = 1_000_000_000;
 
 /// The agent's default clock: the CPU's invariant time-stamp counter where there is
-/// one (a few nanoseconds a read, against the OS clock's twenty), else the OS's
+/// one (13 ns a read in a loop here, against the OS clock's 24), else the OS's
 /// monotonic clock. The agent only measures durations on it (its deadlines count
 /// from its own send times), so it need not agree with the owner's.
 ///

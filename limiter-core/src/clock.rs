@@ -73,9 +73,24 @@ impl MonotonicClock {
 /// between its monotonic reads: the monotonic instant half way between them and the
 /// wall clock's reading.
 fn tightest(reads: impl Iterator<Item = (Nanos, Nanos, Nanos)>) -> (Nanos, Nanos) {
-    reads
-        .min_by_key(|&(before, _, after)| after.saturating_sub(before))
-        .map_or((0, 0), |(before, wall, after)| (before + after.saturating_sub(before) / 2, wall))
+    tightest_between(reads).map_or((0, 0), |(mid, _, wall)| (mid, wall))
+}
+
+/// Of readings of another clock each taken between two reads of a reference
+/// (`(before, reading, after)`, the reference's in nanoseconds from any base), the
+/// one with the least time between its reference reads, as (the reference's instant
+/// half way between them, half the time between them, the reading). A thread
+/// descheduled between two reads only widens that pair, so comparing clocks by
+/// their tightest pair keeps a wait out of the comparison.
+pub fn tightest_between<T>(
+    reads: impl Iterator<Item = (Nanos, T, Nanos)>,
+) -> Option<(Nanos, Nanos, T)> {
+    reads.min_by_key(|(before, _, after)| after.saturating_sub(*before)).map(
+        |(before, reading, after)| {
+            let half = after.saturating_sub(before) / 2;
+            (before + half, half, reading)
+        },
+    )
 }
 
 impl Default for MonotonicClock {

@@ -3,7 +3,7 @@
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use limiter_core::clock::{Clock, MonotonicClock, Nanos};
+use limiter_core::clock::{Clock, MonotonicClock, Nanos, tightest_between};
 use parking_lot::Mutex;
 
 /// How far the time-stamp counter may run off the OS's monotonic clock before the
@@ -22,7 +22,7 @@ const PAIR_READS: usize = 8;
 const CHECK_SPAN: Nanos = 1_000_000_000;
 
 /// The agent's default clock: the CPU's invariant time-stamp counter where there is
-/// one (13 ns a read in a loop here, against the OS clock's 24), else the OS's
+/// one (a few nanoseconds a read, about half the OS clock's here), else the OS's
 /// monotonic clock. The agent only measures durations on it (its deadlines count
 /// from its own send times), so it need not agree with the owner's.
 ///
@@ -192,18 +192,13 @@ impl std::fmt::Debug for Source {
 }
 
 /// The OS clock's reading nearest a read of the counter (`raw`): the tightest of a
-/// few pairs of OS reads around one, as (its midpoint, half its width, the counter's
-/// raw reading). A thread descheduled between two reads only widens that pair.
+/// few pairs of OS reads around one ([`limiter_core::clock::tightest_between`]), as
+/// (its midpoint, how far that may be from the counter's read, the counter's raw
+/// reading).
 fn tightest(raw: impl Fn() -> u64, os: &MonotonicClock) -> (Nanos, Nanos, u64) {
-    (0..PAIR_READS)
-        .map(|_| {
-            let before = os.now();
-            let r = raw();
-            let after = os.now();
-            (before, after.saturating_sub(before), r)
-        })
-        .min_by_key(|&(_, width, _)| width)
-        .map_or((0, 0, 0), |(before, width, r)| (before + width / 2, width / 2 + 1, r))
+    // A tuple's parts are evaluated in order: OS, counter, OS.
+    let reads = (0..PAIR_READS).map(|_| (os.now(), raw(), os.now()));
+    tightest_between(reads).map_or((0, 0, 0), |(mid, half, r)| (mid, half + 1, r))
 }
 
 /// The clock an agent reads: its own (called directly, inlined on the hit path), or
